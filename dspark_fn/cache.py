@@ -1,0 +1,68 @@
+"""The decode state as data: fixed-capacity KV buffers plus valid lengths.
+
+Slot ``j`` of every buffer holds absolute position ``j``. A write puts rows
+at ``start[b] ..`` of each batch row; rollback is just a smaller ``length``:
+stale slots are masked out and overwritten by the next write. Nothing here has
+a shape that depends on how many draft tokens were accepted.
+"""
+
+from typing import Any, NamedTuple
+
+import mlx.core as mx
+
+
+class Cache(NamedTuple):
+    """Everything that changes while decoding.
+
+    target:  per target layer, ``(keys, values)`` each ``[B, H_kv, capacity, D]``.
+    draft:   the draft architecture's context state (per draft layer K/V of the
+             committed context rows; its layout belongs to the architecture).
+    length:  ``[B] int32``, committed positions per row. The pending anchor
+             token (threaded separately as ``tokens``) sits at ``length``.
+    """
+
+    target: list
+    draft: Any
+    length: mx.array
+
+    @property
+    def capacity(self) -> int:
+        return self.target[0][0].shape[2]
+
+    @property
+    def batch_size(self) -> int:
+        return self.length.shape[0]
+
+
+def kv_buffers(batch: int, num_kv_heads: int, capacity: int, head_dim: int, dtype=mx.float32):
+    shape = (batch, num_kv_heads, capacity, head_dim)
+    return mx.zeros(shape, dtype), mx.zeros(shape, dtype)
+
+
+def write_rows(buffer: mx.array, rows: mx.array, start: mx.array) -> mx.array:
+    """Write ``rows [B, H, L, D]`` into ``buffer [B, H, C, D]`` at slots ``start[b] + i``."""
+    batch, heads, length, dim = rows.shape
+    slots = start[:, None] + mx.arange(length)
+    index = mx.broadcast_to(slots[:, None, :, None], rows.shape)
+    return mx.put_along_axis(buffer, index, rows.astype(buffer.dtype), axis=2)
+
+
+def positions_from(start: mx.array, length: int) -> mx.array:
+    """``[B, L]`` absolute positions ``start[b] + i``."""
+    return start[:, None] + mx.arange(length)
+
+
+def causal_mask(positions: mx.array, capacity: int, window: int | None = None) -> mx.array:
+    """``[B, 1, L, capacity]``: slot ``j`` is visible from position ``q`` iff
+    ``j <= q`` (and ``j > q - window`` for a sliding window)."""
+    slots = mx.arange(capacity)[None, None, None, :]
+    query = positions[:, None, :, None]
+    visible = slots <= query
+    if window is not None:
+        visible = visible & (slots > query - window)
+    return visible
+
+
+def prefix_mask(length: mx.array, capacity: int) -> mx.array:
+    """``[B, 1, 1, capacity]``: the first ``length[b]`` slots are visible."""
+    return mx.arange(capacity)[None, None, None, :] < length[:, None, None, None]

@@ -1,0 +1,129 @@
+"""Checkpoints on disk -> (spec, parameter pytree), with errors that say what is wrong."""
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_flatten, tree_unflatten
+
+from .drafts import resolve_arch
+from .speculate import PairSpec, Params
+from .targets import resolve_target
+
+# Draft tensors that DeepSpec copies from the target; taken from it when absent.
+SHARED_WITH_TARGET = ("embed_tokens.weight", "lm_head.weight")
+
+
+def read_config(directory: Path, what: str) -> dict:
+    path = Path(directory) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{what} directory {directory} has no config.json")
+    return json.loads(path.read_text())
+
+
+def read_safetensors(directory: Path, what: str) -> dict:
+    files = sorted(Path(directory).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{what} directory {directory} has no *.safetensors weights")
+    weights = {}
+    for file in files:
+        weights.update(mx.load(str(file)))
+    return weights
+
+
+def load_target(directory) -> tuple:
+    """``(adapter, spec, params, config)`` of an HF/mlx-lm target directory."""
+    from mlx_lm.utils import load_model
+
+    directory = Path(directory)
+    config = read_config(directory, "target")
+    adapter = resolve_target(config)
+    model, config = load_model(directory, lazy=False)
+    params = dict(tree_unflatten(tree_flatten(model.parameters())))
+    return adapter, adapter.spec_from_config(config), params, config
+
+
+def target_tensor(target_params: dict, target_spec, key: str) -> mx.array:
+    """The target's embedding or output head, for drafts that share them."""
+    model = target_params.get("model", target_params)
+    embedding = model["embed_tokens"]["weight"]
+    if key == "lm_head.weight" and "lm_head" in target_params:
+        return target_params["lm_head"]["weight"]
+    return embedding
+
+
+def check_draft_fits(draft_spec, target_spec) -> None:
+    """The draft's vocabulary, width and taps must match the target it serves."""
+    problems = []
+    if draft_spec.vocab_size != target_spec.vocab_size:
+        problems.append(f"vocab_size {draft_spec.vocab_size} != target's {target_spec.vocab_size}")
+    if draft_spec.hidden_size != target_spec.hidden_size:
+        problems.append(f"hidden_size {draft_spec.hidden_size} != target's {target_spec.hidden_size}")
+    last = target_spec.num_layers - 1
+    bad = [i for i in draft_spec.target_layer_ids if not 0 <= i < last]
+    if bad:
+        problems.append(
+            f"target_layer_ids {list(bad)} out of range: taps must be in 0..{last - 1} "
+            f"(the target has {target_spec.num_layers} layers; the last is never tapped)"
+        )
+    if draft_spec.num_target_layers and draft_spec.num_target_layers != target_spec.num_layers:
+        problems.append(
+            f"num_target_layers {draft_spec.num_target_layers} != target's {target_spec.num_layers}"
+        )
+    if not 0 <= draft_spec.mask_token_id < target_spec.vocab_size:
+        problems.append(f"mask_token_id {draft_spec.mask_token_id} outside the vocabulary")
+    if problems:
+        raise ValueError("draft does not fit the target: " + "; ".join(problems))
+
+
+def draft_params_from_weights(arch, spec, weights: dict, target_params: dict, target_spec) -> dict:
+    """Validate checkpoint keys and shapes, fill shared tensors, map to the tree."""
+    expected = arch.checkpoint_shapes(spec)
+    missing = sorted(set(expected) - set(weights) - set(SHARED_WITH_TARGET))
+    unexpected = sorted(set(weights) - set(expected))
+    if missing or unexpected:
+        raise ValueError(
+            f"draft checkpoint keys do not match a {spec.model_type} DSpark draft of this config: "
+            f"missing {missing[:8]}{' ...' if len(missing) > 8 else ''}, "
+            f"unexpected {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}"
+        )
+    weights = dict(weights)
+    for key in SHARED_WITH_TARGET:
+        if key in expected and key not in weights:
+            weights[key] = target_tensor(target_params, target_spec, key)
+    wrong = [
+        f"{key} {tuple(weights[key].shape)} (expected {tuple(shape)})"
+        for key, shape in expected.items()
+        if tuple(weights[key].shape) != tuple(shape)
+    ]
+    if wrong:
+        raise ValueError("draft checkpoint tensors have wrong shapes: " + "; ".join(wrong[:8]))
+    return tree_unflatten([(arch.key_map(key), value) for key, value in weights.items()])
+
+
+def load_draft(directory, target_spec, target_params: dict) -> tuple:
+    """``(arch, spec, params)`` of a DeepSpec-format draft directory for this target."""
+    directory = Path(directory)
+    config = read_config(directory, "draft")
+    arch = resolve_arch(config)
+    spec = arch.spec_from_config(config)
+    check_draft_fits(spec, target_spec)
+    weights = read_safetensors(directory, "draft")
+    params = draft_params_from_weights(arch, spec, weights, target_params, target_spec)
+    return arch, spec, params
+
+
+def load(target_dir, draft_dir) -> Params:
+    """Load a target and its DSpark draft from local directories."""
+    adapter, target_spec, target_params, _ = load_target(target_dir)
+    arch, draft_spec, draft_params = load_draft(draft_dir, target_spec, target_params)
+    return Params(PairSpec(adapter, target_spec, arch, draft_spec), target_params, draft_params)
+
+
+def save_draft(directory, config: dict, weights: dict) -> Path:
+    """Write a draft in DeepSpec layout: ``config.json`` + ``model.safetensors``."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    mx.save_safetensors(str(directory / "model.safetensors"), dict(weights))
+    return directory

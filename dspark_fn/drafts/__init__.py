@@ -1,0 +1,25 @@
+"""DSpark draft architectures, chosen by the checkpoint's ``model_type``.
+
+Adding a backbone is one module exposing ``ARCH`` and one line below.
+"""
+
+from . import qwen3
+from .base import DraftArch, DSparkFields
+
+ARCH_REGISTRY: dict[str, DraftArch] = {
+    "qwen3": qwen3.ARCH,
+}
+
+
+def register_arch(model_type: str, arch: DraftArch) -> None:
+    ARCH_REGISTRY[model_type] = arch
+
+
+def resolve_arch(config: dict) -> DraftArch:
+    model_type = config.get("model_type")
+    if model_type not in ARCH_REGISTRY:
+        raise ValueError(
+            f"unknown draft model_type {model_type!r}; supported draft architectures: "
+            f"{', '.join(sorted(ARCH_REGISTRY))}"
+        )
+    return ARCH_REGISTRY[model_type]

@@ -1,0 +1,75 @@
+"""The DSpark heads shared by every backbone: low-rank Markov bias and confidence.
+
+The Markov chain is sequential over the block (slot k's bias depends on the
+token drafted at slot k-1); with a fixed block size it unrolls into the
+compiled round.
+"""
+
+from typing import Callable
+
+import mlx.core as mx
+
+from .base import DSparkFields
+
+
+def head_shapes(spec: DSparkFields) -> dict:
+    """Checkpoint tensors of the Markov and confidence heads."""
+    shapes = {}
+    if spec.markov_rank:
+        shapes["markov_head.markov_w1.weight"] = (spec.vocab_size, spec.markov_rank)
+        shapes["markov_head.markov_w2.weight"] = (spec.vocab_size, spec.markov_rank)
+    if spec.confidence_head:
+        width = spec.hidden_size + (spec.markov_rank if spec.confidence_with_markov else 0)
+        shapes["confidence_head.proj.weight"] = (1, width)
+        if spec.confidence_bias:
+            shapes["confidence_head.proj.bias"] = (1,)
+    return shapes
+
+
+def markov_embedding(params: dict, prev: mx.array) -> mx.array:
+    return params["markov_head"]["markov_w1"]["weight"][prev]
+
+
+def markov_bias(params: dict, embedding: mx.array) -> mx.array:
+    return embedding @ params["markov_head"]["markov_w2"]["weight"].T
+
+
+def confidence_logit(spec: DSparkFields, params: dict, hidden: mx.array, embedding) -> mx.array:
+    head = params["confidence_head"]["proj"]
+    x = mx.concatenate([hidden, embedding], axis=-1) if spec.confidence_with_markov else hidden
+    z = x @ head["weight"].T
+    if "bias" in head:
+        z = z + head["bias"]
+    return z[..., 0]
+
+
+def draft_chain(
+    spec: DSparkFields,
+    params: dict,
+    base_logits: mx.array,
+    head_hidden: mx.array,
+    anchor: mx.array,
+    choose: Callable[[mx.array, int], mx.array],
+):
+    """Run the Markov chain over the block.
+
+    ``choose(logits [B, V], slot) -> tokens [B]`` picks each drafted token
+    (argmax when greedy). Returns drafted tokens ``[B, G]``, corrected logits
+    ``[B, G, V]`` and confidence logits ``[B, G]`` (zeros without a head).
+    """
+    prev = anchor
+    tokens, logits, confidences = [], [], []
+    for slot in range(base_logits.shape[1]):
+        corrected = base_logits[:, slot]
+        embedding = None
+        if spec.markov_rank:
+            embedding = markov_embedding(params, prev)
+            corrected = corrected + markov_bias(params, embedding)
+        if spec.confidence_head:
+            confidences.append(confidence_logit(spec, params, head_hidden[:, slot], embedding))
+        else:
+            confidences.append(mx.zeros(anchor.shape, mx.float32))
+        prev = choose(corrected, slot)
+        tokens.append(prev)
+        logits.append(corrected)
+    return mx.stack(tokens, 1), mx.stack(logits, 1), mx.stack(confidences, 1)

@@ -1,0 +1,129 @@
+"""The qwen3 DSpark draft (DeepSpec ``Qwen3DSparkModel``).
+
+Context rows are the projected target taps ``hidden_norm(fc(taps))``; they
+only provide keys/values (k_norm + RoPE at their own positions) to every
+draft layer. The block ``[anchor, mask, ...]`` attends to that context and,
+bidirectionally, to itself.
+"""
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from .. import ops
+from ..cache import kv_buffers, positions_from, prefix_mask, write_rows
+from ..targets.llama import rope_parameters
+from .base import DraftArch, DSparkFields, dspark_fields
+from .heads import head_shapes
+
+
+@dataclass(frozen=True)
+class Qwen3DraftSpec(DSparkFields):
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    eps: float
+    rope: tuple
+
+
+def spec_from_config(config: dict) -> Qwen3DraftSpec:
+    heads = config["num_attention_heads"]
+    return Qwen3DraftSpec(
+        **dspark_fields(config),
+        num_layers=config["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=config.get("num_key_value_heads", heads),
+        head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+        intermediate_size=config["intermediate_size"],
+        eps=config.get("rms_norm_eps", 1e-6),
+        rope=tuple(sorted(rope_parameters(config).items())),
+    )
+
+
+def checkpoint_shapes(spec: Qwen3DraftSpec) -> dict:
+    d, hd, inter = spec.hidden_size, spec.head_dim, spec.intermediate_size
+    shapes = {
+        "embed_tokens.weight": (spec.vocab_size, d),
+        "lm_head.weight": (spec.vocab_size, d),
+        "norm.weight": (d,),
+        "hidden_norm.weight": (d,),
+        "fc.weight": (d, len(spec.target_layer_ids) * d),
+    }
+    for i in range(spec.num_layers):
+        layer = f"layers.{i}."
+        shapes |= {
+            layer + "self_attn.q_proj.weight": (spec.num_heads * hd, d),
+            layer + "self_attn.k_proj.weight": (spec.num_kv_heads * hd, d),
+            layer + "self_attn.v_proj.weight": (spec.num_kv_heads * hd, d),
+            layer + "self_attn.o_proj.weight": (d, spec.num_heads * hd),
+            layer + "self_attn.q_norm.weight": (hd,),
+            layer + "self_attn.k_norm.weight": (hd,),
+            layer + "mlp.gate_proj.weight": (inter, d),
+            layer + "mlp.up_proj.weight": (inter, d),
+            layer + "mlp.down_proj.weight": (d, inter),
+            layer + "input_layernorm.weight": (d,),
+            layer + "post_attention_layernorm.weight": (d,),
+        }
+    return shapes | head_shapes(spec)
+
+
+def key_map(key: str) -> str:
+    return key
+
+
+def init_context(spec: Qwen3DraftSpec, batch: int, capacity: int) -> list:
+    return [
+        kv_buffers(batch, spec.num_kv_heads, capacity, spec.head_dim)
+        for _ in range(spec.num_layers)
+    ]
+
+
+def _keys(spec, attn, x, positions, inv_freq):
+    k = ops.split_heads(ops.linear(attn["k_proj"], x), spec.num_kv_heads)
+    k = ops.rms_norm(k, attn["k_norm"]["weight"], spec.eps)
+    return ops.apply_rope(k, positions, inv_freq)
+
+
+def _values(spec, attn, x):
+    return ops.split_heads(ops.linear(attn["v_proj"], x), spec.num_kv_heads)
+
+
+def extend_context(spec: Qwen3DraftSpec, params: dict, state: list, features, start) -> list:
+    context = ops.rms_norm(ops.linear(params["fc"], features), params["hidden_norm"]["weight"], spec.eps)
+    positions = positions_from(start, features.shape[1])
+    inv_freq = ops.rope_inv_freq(spec.head_dim, dict(spec.rope))
+    new_state = []
+    for layer, (keys, values) in zip(params["layers"], state):
+        attn = layer["self_attn"]
+        keys = write_rows(keys, _keys(spec, attn, context, positions, inv_freq), start)
+        values = write_rows(values, _values(spec, attn, context), start)
+        new_state.append((keys, values))
+    return new_state
+
+
+def block_forward(spec: Qwen3DraftSpec, params: dict, state: list, length, block_ids):
+    batch, width = block_ids.shape
+    capacity = state[0][0].shape[2]
+    positions = positions_from(length, width)
+    inv_freq = ops.rope_inv_freq(spec.head_dim, dict(spec.rope))
+    context_visible = mx.broadcast_to(prefix_mask(length, capacity), (batch, 1, width, capacity))
+    mask = mx.concatenate([context_visible, mx.ones((batch, 1, width, width), mx.bool_)], axis=-1)
+    h = ops.embed(params["embed_tokens"], block_ids)
+    for layer, (keys, values) in zip(params["layers"], state):
+        attn = layer["self_attn"]
+        x = ops.rms_norm(h, layer["input_layernorm"]["weight"], spec.eps)
+        q = ops.split_heads(ops.linear(attn["q_proj"], x), spec.num_heads)
+        q = ops.apply_rope(ops.rms_norm(q, attn["q_norm"]["weight"], spec.eps), positions, inv_freq)
+        all_keys = mx.concatenate([keys, _keys(spec, attn, x, positions, inv_freq)], axis=2)
+        all_values = mx.concatenate([values, _values(spec, attn, x)], axis=2)
+        out = ops.attention(q, all_keys, all_values, mask, spec.head_dim**-0.5)
+        h = h + ops.linear(attn["o_proj"], ops.merge_heads(out))
+        x = ops.rms_norm(h, layer["post_attention_layernorm"]["weight"], spec.eps)
+        h = h + ops.glu_mlp(layer["mlp"], x)
+    hidden = ops.rms_norm(h, params["norm"]["weight"], spec.eps)
+    return ops.linear(params["lm_head"], hidden), hidden
+
+
+ARCH = DraftArch(spec_from_config, checkpoint_shapes, key_map, init_context, extend_context, block_forward)

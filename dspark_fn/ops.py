@@ -1,0 +1,124 @@
+"""Stateless tensor operations shared by every target and draft.
+
+Parameters are plain dicts in checkpoint layout (``{"weight": ..., "bias": ...}``),
+so each op takes the sub-tree it needs and the activations.
+"""
+
+import math
+
+import mlx.core as mx
+import mlx.nn as nn
+
+
+def linear(p: dict, x: mx.array) -> mx.array:
+    """``x @ W.T (+ b)``."""
+    y = x @ p["weight"].T
+    if "bias" in p:
+        y = y + p["bias"]
+    return y
+
+
+def embed(p: dict, ids: mx.array) -> mx.array:
+    return p["weight"][ids]
+
+
+def rms_norm(x: mx.array, weight: mx.array | None, eps: float) -> mx.array:
+    """RMSNorm computed in float32; ``weight=None`` is the weightless variant."""
+    return mx.fast.rms_norm(x, weight, eps)
+
+
+def silu_glu(gate: mx.array, up: mx.array) -> mx.array:
+    return nn.silu(gate) * up
+
+
+def gelu_tanh_glu(gate: mx.array, up: mx.array) -> mx.array:
+    return nn.gelu_approx(gate) * up
+
+
+GLU_ACTIVATIONS = {
+    "silu": silu_glu,
+    "swish": silu_glu,
+    "gelu_pytorch_tanh": gelu_tanh_glu,
+    "gelu_tanh": gelu_tanh_glu,
+}
+
+
+def glu_mlp(p: dict, x: mx.array, activation: str = "silu") -> mx.array:
+    """``down(act(gate x) * up x)``: SwiGLU for llama/qwen, GeGLU for gemma."""
+    glu = GLU_ACTIVATIONS[activation]
+    return linear(p["down_proj"], glu(linear(p["gate_proj"], x), linear(p["up_proj"], x)))
+
+
+def softcap(logits: mx.array, cap: float | None) -> mx.array:
+    return logits if not cap else cap * mx.tanh(logits / cap)
+
+
+def rope_inv_freq(head_dim: int, rope: dict) -> mx.array:
+    """Inverse frequencies ``[head_dim // 2]`` for an HF ``rope_parameters`` dict.
+
+    Supports ``default``, ``linear``, ``llama3`` and gemma's ``proportional``
+    (partial rotary: the tail frequencies are zero, i.e. identity rotation).
+    """
+    theta = float(rope.get("rope_theta", 10000.0))
+    kind = rope.get("rope_type", rope.get("type", "default")) or "default"
+    half = head_dim // 2
+    exponents = mx.arange(0, half, dtype=mx.float32) * 2 / head_dim
+    if kind == "proportional":
+        rotated = int(float(rope.get("partial_rotary_factor", 1.0)) * head_dim) // 2
+        inv = 1.0 / (theta ** exponents[:rotated])
+        return mx.concatenate([inv, mx.zeros((half - rotated,), mx.float32)])
+    inv = 1.0 / (theta**exponents)
+    if kind == "default":
+        return inv
+    if kind == "linear":
+        return inv / float(rope["factor"])
+    if kind == "llama3":
+        return _llama3_scaled(inv, rope)
+    raise ValueError(
+        f"unsupported rope_type {kind!r}; supported: default, linear, llama3, proportional"
+    )
+
+
+def _llama3_scaled(inv: mx.array, rope: dict) -> mx.array:
+    factor = float(rope["factor"])
+    low = float(rope.get("low_freq_factor", 1.0))
+    high = float(rope.get("high_freq_factor", 4.0))
+    original = float(rope["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv
+    smooth = (original / wavelen - low) / (high - low)
+    blended = (1 - smooth) * inv / factor + smooth * inv
+    scaled = mx.where(wavelen > original / low, inv / factor, inv)
+    is_medium = (wavelen <= original / low) & (wavelen >= original / high)
+    return mx.where(is_medium, blended, scaled)
+
+
+def apply_rope(x: mx.array, positions: mx.array, inv_freq: mx.array) -> mx.array:
+    """Half-split (HF layout) rotary embedding of ``x [B, H, L, D]`` at ``positions [B, L]``.
+
+    Positions are data, so the same compiled kernel serves every offset and
+    every row of a batch at its own offset.
+    """
+    angles = positions.astype(mx.float32)[:, None, :, None] * inv_freq
+    cos, sin = mx.cos(angles), mx.sin(angles)
+    first, second = mx.split(x, 2, axis=-1)
+    rotated = mx.concatenate(
+        [first * cos - second * sin, second * cos + first * sin], axis=-1
+    )
+    return rotated.astype(x.dtype)
+
+
+def split_heads(x: mx.array, num_heads: int) -> mx.array:
+    """``[B, L, H*D] -> [B, H, L, D]``."""
+    batch, length, _ = x.shape
+    return x.reshape(batch, length, num_heads, -1).transpose(0, 2, 1, 3)
+
+
+def merge_heads(x: mx.array) -> mx.array:
+    """``[B, H, L, D] -> [B, L, H*D]``."""
+    batch, _, length, _ = x.shape
+    return x.transpose(0, 2, 1, 3).reshape(batch, length, -1)
+
+
+def attention(q, k, v, mask: mx.array, scale: float) -> mx.array:
+    """Grouped-query attention; ``mask`` is boolean, broadcastable to ``[B, H, Lq, Lk]``."""
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)

@@ -1,0 +1,105 @@
+"""The llama family (llama, mistral, qwen2, qwen3) as a pure target forward.
+
+Covers the variants by what the parameter tree holds: q/k/v biases (qwen2)
+and per-head q/k RMSNorm (qwen3) are applied when present.
+"""
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from .. import ops
+from ..cache import causal_mask, kv_buffers, positions_from, write_rows
+from .base import TargetAdapter
+
+
+@dataclass(frozen=True)
+class LlamaSpec:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    eps: float
+    rope: tuple
+    tied: bool
+    activation: str
+
+
+def rope_parameters(config: dict) -> dict:
+    """HF ``rope_parameters`` (transformers 5) or the older flat keys, as one dict."""
+    rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    rope.setdefault("rope_theta", config.get("rope_theta", 10000.0))
+    return rope
+
+
+def spec_from_config(config: dict) -> LlamaSpec:
+    heads = config["num_attention_heads"]
+    return LlamaSpec(
+        model_type=config["model_type"],
+        vocab_size=config["vocab_size"],
+        hidden_size=config["hidden_size"],
+        num_layers=config["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=config.get("num_key_value_heads", heads),
+        head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+        eps=config.get("rms_norm_eps", 1e-6),
+        rope=tuple(sorted(rope_parameters(config).items())),
+        tied=config.get("tie_word_embeddings", False),
+        activation=config.get("hidden_act", "silu"),
+    )
+
+
+def init_kv(spec: LlamaSpec, batch: int, capacity: int) -> list:
+    return [
+        kv_buffers(batch, spec.num_kv_heads, capacity, spec.head_dim)
+        for _ in range(spec.num_layers)
+    ]
+
+
+def attention_block(spec, p, x, keys, values, start, positions, mask, inv_freq):
+    """Self-attention writing this step's K/V into the fixed buffers first."""
+    q = ops.split_heads(ops.linear(p["q_proj"], x), spec.num_heads)
+    k = ops.split_heads(ops.linear(p["k_proj"], x), spec.num_kv_heads)
+    v = ops.split_heads(ops.linear(p["v_proj"], x), spec.num_kv_heads)
+    if "q_norm" in p:
+        q = ops.rms_norm(q, p["q_norm"]["weight"], spec.eps)
+        k = ops.rms_norm(k, p["k_norm"]["weight"], spec.eps)
+    q = ops.apply_rope(q, positions, inv_freq)
+    k = ops.apply_rope(k, positions, inv_freq)
+    keys = write_rows(keys, k, start)
+    values = write_rows(values, v, start)
+    out = ops.attention(q, keys, values, mask, spec.head_dim**-0.5)
+    return ops.linear(p["o_proj"], ops.merge_heads(out)), keys, values
+
+
+def forward(spec: LlamaSpec, params: dict, kv: list, tokens, start, taps: tuple):
+    model = params["model"]
+    positions = positions_from(start, tokens.shape[1])
+    mask = causal_mask(positions, kv[0][0].shape[2])
+    inv_freq = ops.rope_inv_freq(spec.head_dim, dict(spec.rope))
+    h = ops.embed(model["embed_tokens"], tokens)
+    tapped, new_kv = {}, []
+    for index, (layer, (keys, values)) in enumerate(zip(model["layers"], kv)):
+        x = ops.rms_norm(h, layer["input_layernorm"]["weight"], spec.eps)
+        attn, keys, values = attention_block(
+            spec, layer["self_attn"], x, keys, values, start, positions, mask, inv_freq
+        )
+        h = h + attn
+        x = ops.rms_norm(h, layer["post_attention_layernorm"]["weight"], spec.eps)
+        h = h + ops.glu_mlp(layer["mlp"], x, spec.activation)
+        new_kv.append((keys, values))
+        if index in taps:
+            tapped[index] = h
+    features = mx.concatenate([tapped[i] for i in taps], axis=-1) if taps else None
+    return ops.rms_norm(h, model["norm"]["weight"], spec.eps), features, new_kv
+
+
+def logits(spec: LlamaSpec, params: dict, hidden: mx.array) -> mx.array:
+    head = params["model"]["embed_tokens"] if spec.tied else params["lm_head"]
+    return ops.linear(head, hidden)
+
+
+ADAPTER = TargetAdapter(spec_from_config, init_kv, forward, logits)
