@@ -3,6 +3,8 @@
 from .cache import Cache
 from .checkpoints import load, load_draft, load_target
 from .drafts import ARCH_REGISTRY, DraftArch, register_arch, resolve_arch
+from .sampling import GREEDY, Sampling
+from .schedule import CostCurve, VerifyPolicy
 from .speculate import (
     TRACE_COUNTS,
     Event,
@@ -14,9 +16,12 @@ from .speculate import (
     generate,
     init_cache,
     prefill,
+    propose,
     speculate,
+    verify,
     verify_and_commit,
     verify_block,
+    verify_policy,
 )
 from .targets import TARGET_REGISTRY, TargetAdapter, register_target, resolve_target
 
@@ -25,13 +30,17 @@ __all__ = [
     "TARGET_REGISTRY",
     "TRACE_COUNTS",
     "Cache",
+    "CostCurve",
     "DraftArch",
     "Event",
+    "GREEDY",
     "PairSpec",
     "Params",
     "Proposal",
     "Round",
+    "Sampling",
     "TargetAdapter",
+    "VerifyPolicy",
     "draft_block",
     "generate",
     "init_cache",
@@ -39,11 +48,14 @@ __all__ = [
     "load_draft",
     "load_target",
     "prefill",
+    "propose",
     "register_arch",
     "register_target",
     "resolve_arch",
     "resolve_target",
     "speculate",
+    "verify",
     "verify_and_commit",
     "verify_block",
+    "verify_policy",
 ]

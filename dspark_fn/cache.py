@@ -19,11 +19,14 @@ class Cache(NamedTuple):
              committed context rows; its layout belongs to the architecture).
     length:  ``[B] int32``, committed positions per row. The pending anchor
              token (threaded separately as ``tokens``) sits at ``length``.
+    rng:     ``mx.random`` key of the whole batch, split once per round, so a
+             run is reproducible from its seed and the round stays pure.
     """
 
     target: list
     draft: Any
     length: mx.array
+    rng: mx.array
 
     @property
     def capacity(self) -> int:
@@ -63,6 +66,20 @@ def causal_mask(positions: mx.array, capacity: int, window: int | None = None) -
     return visible
 
 
-def prefix_mask(length: mx.array, capacity: int) -> mx.array:
-    """``[B, 1, 1, capacity]``: the first ``length[b]`` slots are visible."""
-    return mx.arange(capacity)[None, None, None, :] < length[:, None, None, None]
+def prefix_mask(length: mx.array, capacity: int, window: int | None = None) -> mx.array:
+    """``[B, 1, 1, capacity]``: the first ``length[b]`` slots are visible (only
+    the last ``window`` of them with a sliding window)."""
+    slots = mx.arange(capacity)[None, None, None, :]
+    end = length[:, None, None, None]
+    visible = slots < end
+    if window is not None:
+        visible = visible & (slots >= end - window)
+    return visible
+
+
+def block_mask(length: mx.array, capacity: int, width: int, window: int | None = None) -> mx.array:
+    """``[B, 1, width, capacity + width]`` for a draft block: every block query
+    sees the committed context slots and, bidirectionally, the whole block."""
+    batch = length.shape[0]
+    context = mx.broadcast_to(prefix_mask(length, capacity, window), (batch, 1, width, capacity))
+    return mx.concatenate([context, mx.ones((batch, 1, width, width), mx.bool_)], axis=-1)

@@ -38,8 +38,11 @@ def load_target(directory) -> tuple:
     directory = Path(directory)
     config = read_config(directory, "target")
     adapter = resolve_target(config)
-    model, config = load_model(directory, lazy=False)
-    params = dict(tree_unflatten(tree_flatten(model.parameters())))
+    if adapter.load_params is not None:
+        params = adapter.load_params(directory)
+    else:
+        model, config = load_model(directory, lazy=False)
+        params = dict(tree_unflatten(tree_flatten(model.parameters())))
     return adapter, adapter.spec_from_config(config), params, config
 
 
@@ -59,12 +62,14 @@ def check_draft_fits(draft_spec, target_spec) -> None:
         problems.append(f"vocab_size {draft_spec.vocab_size} != target's {target_spec.vocab_size}")
     if draft_spec.hidden_size != target_spec.hidden_size:
         problems.append(f"hidden_size {draft_spec.hidden_size} != target's {target_spec.hidden_size}")
-    last = target_spec.num_layers - 1
-    bad = [i for i in draft_spec.target_layer_ids if not 0 <= i < last]
+    # Most families never tap the last layer; DeepSeek-V4's drafter does.
+    last_tappable = getattr(target_spec, "last_layer_tappable", False)
+    tappable = target_spec.num_layers if last_tappable else target_spec.num_layers - 1
+    bad = [i for i in draft_spec.target_layer_ids if not 0 <= i < tappable]
     if bad:
         problems.append(
-            f"target_layer_ids {list(bad)} out of range: taps must be in 0..{last - 1} "
-            f"(the target has {target_spec.num_layers} layers; the last is never tapped)"
+            f"target_layer_ids {list(bad)} out of range: taps must be in 0..{tappable - 1} "
+            f"(the target has {target_spec.num_layers} layers{'' if last_tappable else '; the last is never tapped'})"
         )
     if draft_spec.num_target_layers and draft_spec.num_target_layers != target_spec.num_layers:
         problems.append(
@@ -98,7 +103,8 @@ def draft_params_from_weights(arch, spec, weights: dict, target_params: dict, ta
     ]
     if wrong:
         raise ValueError("draft checkpoint tensors have wrong shapes: " + "; ".join(wrong[:8]))
-    return tree_unflatten([(arch.key_map(key), value) for key, value in weights.items()])
+    params = tree_unflatten([(arch.key_map(key), value) for key, value in weights.items()])
+    return arch.prepare_params(spec, params) if arch.prepare_params else params
 
 
 def load_draft(directory, target_spec, target_params: dict) -> tuple:
@@ -109,15 +115,24 @@ def load_draft(directory, target_spec, target_params: dict) -> tuple:
     spec = arch.spec_from_config(config)
     check_draft_fits(spec, target_spec)
     weights = read_safetensors(directory, "draft")
+    # Half-precision checkpoints (bf16 releases, the fp16 default draft) run in
+    # float32, like the targets: the fast dtype on CPU, one dtype per graph.
+    weights = {key: value.astype(mx.float32) if value.dtype in (mx.float16, mx.bfloat16) else value
+               for key, value in weights.items()}
     params = draft_params_from_weights(arch, spec, weights, target_params, target_spec)
     return arch, spec, params
+
+
+def with_draft(adapter, target_spec, target_params: dict, draft_dir) -> Params:
+    """Pair an already loaded target with the draft in ``draft_dir``."""
+    arch, draft_spec, draft_params = load_draft(draft_dir, target_spec, target_params)
+    return Params(PairSpec(adapter, target_spec, arch, draft_spec), target_params, draft_params)
 
 
 def load(target_dir, draft_dir) -> Params:
     """Load a target and its DSpark draft from local directories."""
     adapter, target_spec, target_params, _ = load_target(target_dir)
-    arch, draft_spec, draft_params = load_draft(draft_dir, target_spec, target_params)
-    return Params(PairSpec(adapter, target_spec, arch, draft_spec), target_params, draft_params)
+    return with_draft(adapter, target_spec, target_params, draft_dir)
 
 
 def save_draft(directory, config: dict, weights: dict) -> Path:
@@ -127,3 +142,23 @@ def save_draft(directory, config: dict, weights: dict) -> Path:
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     mx.save_safetensors(str(directory / "model.safetensors"), dict(weights))
     return directory
+
+
+def load_tokenizer(directory):
+    """The target's mlx-lm tokenizer, or ``None`` when the directory has none."""
+    directory = Path(directory)
+    if not any((directory / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    from mlx_lm.tokenizer_utils import load as load_mlx_tokenizer
+
+    return load_mlx_tokenizer(directory)
+
+
+def load_gguf_pair(gguf_path, draft_dir) -> tuple:
+    """``(params, tokenizer, target config)`` for a llama GGUF target and a local draft directory."""
+    from .gguf import load_gguf_llama
+
+    config, target_params, tokenizer = load_gguf_llama(gguf_path)
+    adapter = resolve_target(config)
+    params = with_draft(adapter, adapter.spec_from_config(config), target_params, draft_dir)
+    return params, tokenizer, config

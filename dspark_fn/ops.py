@@ -10,9 +10,20 @@ import mlx.core as mx
 import mlx.nn as nn
 
 
+# Group size of MLX affine-quantized weights; with it fixed, the bit width
+# follows from the packed shapes, so a quantized tree needs no side metadata.
+QUANT_GROUP_SIZE = 64
+
+
 def linear(p: dict, x: mx.array) -> mx.array:
-    """``x @ W.T (+ b)``."""
-    y = x @ p["weight"].T
+    """``x @ W.T (+ b)`` for a dense or an affine-quantized weight."""
+    if "scales" in p:
+        bits = p["weight"].shape[-1] * 32 // (p["scales"].shape[-1] * QUANT_GROUP_SIZE)
+        y = mx.quantized_matmul(
+            x, p["weight"], p["scales"], p["biases"], transpose=True, group_size=QUANT_GROUP_SIZE, bits=bits
+        )
+    else:
+        y = x @ p["weight"].T
     if "bias" in p:
         y = y + p["bias"]
     return y
@@ -65,7 +76,7 @@ def rope_inv_freq(head_dim: int, rope: dict) -> mx.array:
     exponents = mx.arange(0, half, dtype=mx.float32) * 2 / head_dim
     if kind == "proportional":
         rotated = int(float(rope.get("partial_rotary_factor", 1.0)) * head_dim) // 2
-        inv = 1.0 / (theta ** exponents[:rotated])
+        inv = 1.0 / (theta ** exponents[:rotated]) / float(rope.get("factor", 1.0))
         return mx.concatenate([inv, mx.zeros((half - rotated,), mx.float32)])
     inv = 1.0 / (theta**exponents)
     if kind == "default":

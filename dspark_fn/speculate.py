@@ -1,9 +1,11 @@
 """Prefill, one speculative round, and the generation loop.
 
-A round is ``draft_block -> verify -> accept -> commit`` over fixed shapes:
-the verify width is static, acceptance only changes array values (the new
-``length``), so each (model pair, width) compiles once and is reused for
-every round and every prompt whose capacity falls in the same bucket.
+A round is ``draft_block -> verify -> accept -> commit`` over fixed shapes.
+It runs as two compiled kernels: the draft (one per model pair and sampling
+settings) and the verify (one per pair, width and sampling settings). The
+verify width is static, acceptance only changes array values (the new
+``length``), and each row's proposal length is data (``limit``), so every
+kernel compiles once and switching among widths never retraces.
 """
 
 import math
@@ -13,12 +15,16 @@ from functools import lru_cache
 from typing import Any, Iterator, NamedTuple, Sequence
 
 import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten, tree_map
 
 from .cache import Cache
 from .drafts.base import DraftArch
 from .drafts.heads import draft_chain
+from .sampling import GREEDY, Sampling, choose, log_probs
+from .schedule import CostCurve, VerifyPolicy, cached_costs, cost_key, fastest_seconds, monotone, width_buckets
 from .targets.base import TargetAdapter
-from .verify import Accepted, accept_greedy
+from .verify import Accepted, accept_greedy, accept_sampled
 
 PREFILL_CHUNK = 64
 CAPACITY_BUCKET = 256
@@ -59,28 +65,42 @@ class Proposal(NamedTuple):
     confidence_logits: mx.array  # [B, G]
     base_logits: mx.array  # [B, G, V]
     hidden: mx.array  # [B, G, d] input of the confidence head
+    log_probs: mx.array  # [B, G, V] distribution each draft was drawn from (= logits when greedy)
 
 
 class Round(NamedTuple):
     emitted: mx.array  # [B, W] accepted drafts then the target's token, -1 padded
-    count: mx.array  # [B] number of emitted tokens (accepted + 1)
+    count: mx.array  # [B] number of emitted tokens (accepted + 1; 0 for an idle row)
     next_tokens: mx.array  # [B] the next anchor
     accepted: mx.array  # [B]
     drafted: mx.array  # [B, W - 1] the drafts that were verified
     confidences: mx.array  # [B, W - 1]
 
 
-def init_cache(params: Params, batch_size: int, capacity: int) -> Cache:
+def init_cache(params: Params, batch_size: int, capacity: int, seed: int = 0) -> Cache:
     spec = params.spec
     return Cache(
         target=spec.target_adapter.init_kv(spec.target, batch_size, capacity),
         draft=spec.draft_arch.init_context(spec.draft, batch_size, capacity),
         length=mx.zeros((batch_size,), mx.int32),
+        rng=mx.random.key(seed),
     )
 
 
-def draft_block(params: Params, cache: Cache, tokens: mx.array) -> Proposal:
-    """Draft a block after the anchors ``tokens [B]`` (greedy Markov chain)."""
+class RoundKeys(NamedTuple):
+    following: mx.array  # the cache's key for the next round
+    draft: mx.array
+    verify: mx.array
+
+
+def round_keys(rng: mx.array) -> RoundKeys:
+    """This round's independent keys; the draft and verify kernels derive the same ones."""
+    return RoundKeys(*mx.random.split(rng, 3))
+
+
+def draft_block(params: Params, cache: Cache, tokens: mx.array, sampling: Sampling = GREEDY) -> Proposal:
+    """Draft a block after the anchors ``tokens [B]``: the Markov chain picks
+    each slot by argmax, or draws it from ``sampling``'s distribution."""
     spec = params.spec
     batch = tokens.shape[0]
     mask = mx.full((batch, spec.block_size - 1), spec.draft.mask_token_id, tokens.dtype)
@@ -88,68 +108,181 @@ def draft_block(params: Params, cache: Cache, tokens: mx.array) -> Proposal:
     base, hidden = spec.draft_arch.block_forward(
         spec.draft, params.draft, cache.draft, cache.length, block_ids
     )
-    choose = lambda logits, slot: mx.argmax(logits, axis=-1).astype(tokens.dtype)  # noqa: E731
-    drafted, logits, confidence = draft_chain(spec.draft, params.draft, base, hidden, tokens, choose)
-    return Proposal(drafted, logits, confidence, base, hidden)
+    slot_keys = mx.random.split(round_keys(cache.rng).draft, spec.block_size)
+    pick = lambda logits, slot: choose(logits, sampling, slot_keys[slot]).astype(tokens.dtype)  # noqa: E731
+    drafted, logits, confidence = draft_chain(spec.draft, params.draft, base, hidden, tokens, pick)
+    distribution = logits if sampling.greedy else log_probs(logits, sampling)
+    return Proposal(drafted, logits, confidence, base, hidden, distribution)
 
 
-def verify_and_commit(params: Params, cache: Cache, block: mx.array) -> tuple[Cache, Accepted]:
+def _idle_rows_unchanged(verdict: Accepted, block: mx.array, active: mx.array) -> Accepted:
+    """Rows that finished keep their anchor and emit nothing."""
+    return Accepted(
+        mx.where(active, verdict.accepted, 0),
+        mx.where(active, verdict.next_tokens, block[:, 0]),
+        mx.where(active[:, None], verdict.emitted, -1),
+    )
+
+
+def verify_and_commit(
+    params: Params,
+    cache: Cache,
+    block: mx.array,
+    draft_log_probs: mx.array | None = None,
+    sampling: Sampling = GREEDY,
+    limit: mx.array | None = None,
+    active: mx.array | None = None,
+) -> tuple[Cache, Accepted]:
     """Run the target on ``block = [anchor, drafts...]``, accept, and commit.
 
     Every row's K/V and draft context are written; the new ``length`` keeps
     only the anchor and the accepted drafts, which is the whole rollback.
+    ``limit [B]`` caps each row's accepted drafts; ``active [B]`` rows that
+    are False commit nothing.
     """
     spec = params.spec
     adapter = spec.target_adapter
     hidden, features, target_kv = adapter.forward(
         spec.target, params.target, cache.target, block, cache.length, spec.taps
     )
-    verdict = accept_greedy(block, adapter.logits(spec.target, params.target, hidden))
+    logits = adapter.logits(spec.target, params.target, hidden)
+    keys = round_keys(cache.rng)
+    if sampling.greedy:
+        verdict = accept_greedy(block, logits, limit)
+    else:
+        verdict = accept_sampled(block, logits, draft_log_probs, sampling, keys.verify, limit)
+    if active is not None:
+        verdict = _idle_rows_unchanged(verdict, block, active)
     draft_state = spec.draft_arch.extend_context(
         spec.draft, params.draft, cache.draft, features, cache.length
     )
-    return Cache(target_kv, draft_state, cache.length + verdict.accepted + 1), verdict
-
-
-def _round_result(verdict: Accepted, block: mx.array, confidences: mx.array) -> Round:
-    return Round(
-        emitted=verdict.emitted,
-        count=verdict.accepted + 1,
-        next_tokens=verdict.next_tokens,
-        accepted=verdict.accepted,
-        drafted=block[:, 1:],
-        confidences=confidences,
-    )
+    committed = verdict.accepted + 1 if active is None else mx.where(active, verdict.accepted + 1, 0)
+    return Cache(target_kv, draft_state, cache.length + committed, keys.following), verdict
 
 
 @lru_cache(maxsize=None)
-def _round_kernel(spec: PairSpec, width: int):
-    def round_(target, draft, cache, tokens):
-        TRACE_COUNTS["round"] += 1
-        params, cache = Params(spec, target, draft), Cache(*cache)
-        if width > 1:
-            proposal = draft_block(params, cache, tokens)
-            drafts = proposal.tokens[:, : width - 1]
-            confidences = mx.sigmoid(proposal.confidence_logits[:, : width - 1])
-        else:
-            drafts = mx.zeros((tokens.shape[0], 0), tokens.dtype)
-            confidences = mx.zeros((tokens.shape[0], 0), mx.float32)
-        block = mx.concatenate([tokens[:, None], drafts], axis=1)
-        cache, verdict = verify_and_commit(params, cache, block)
-        return tuple(cache), tuple(_round_result(verdict, block, confidences))
+def _draft_kernel(spec: PairSpec, sampling: Sampling):
+    def draft_(target, draft, cache, tokens):
+        TRACE_COUNTS["draft"] += 1
+        return tuple(draft_block(Params(spec, target, draft), Cache(*cache), tokens, sampling))
 
-    return mx.compile(round_)
+    return mx.compile(draft_)
 
 
 @lru_cache(maxsize=None)
-def _verify_kernel(spec: PairSpec):
-    def verify_(target, draft, cache, block):
+def _verify_kernel(spec: PairSpec, width: int, sampling: Sampling):
+    def verify_(target, draft, cache, tokens, drafts, draft_log_probs, confidence_logits, limit, active):
         TRACE_COUNTS["verify"] += 1
-        cache, verdict = verify_and_commit(Params(spec, target, draft), Cache(*cache), block)
-        confidences = mx.zeros(block[:, 1:].shape, mx.float32)
-        return tuple(cache), tuple(_round_result(verdict, block, confidences))
+        block = mx.concatenate([tokens[:, None], drafts[:, : width - 1]], axis=1)
+        before = Cache(*cache)
+        cache, verdict = verify_and_commit(
+            Params(spec, target, draft), before, block, draft_log_probs, sampling, limit, active
+        )
+        result = Round(
+            emitted=verdict.emitted,
+            count=cache.length - before.length,
+            next_tokens=verdict.next_tokens,
+            accepted=verdict.accepted,
+            drafted=block[:, 1:],
+            confidences=mx.sigmoid(confidence_logits[:, : width - 1]),
+        )
+        return tuple(cache), tuple(result)
 
     return mx.compile(verify_)
+
+
+def _check_width(spec: PairSpec, width: int) -> None:
+    if not 1 <= width <= spec.block_size + 1:
+        raise ValueError(f"verify width {width} must be in 1..{spec.block_size + 1}")
+
+
+def propose(params: Params, cache: Cache, tokens: mx.array, sampling: Sampling = GREEDY) -> Proposal:
+    """The compiled ``draft_block``."""
+    kernel = _draft_kernel(params.spec, sampling)
+    return Proposal(*kernel(params.target, params.draft, tuple(cache), tokens))
+
+
+def no_proposal(batch_size: int) -> Proposal:
+    """What a width-1 verify (the target alone) reads instead of a draft."""
+    empty = mx.zeros((batch_size, 0))
+    return Proposal(empty.astype(mx.int32), None, empty, None, None, empty[..., None])
+
+
+def _proposal(params, cache, tokens, sampling, drafting: bool) -> Proposal:
+    return propose(params, cache, tokens, sampling) if drafting else no_proposal(tokens.shape[0])
+
+
+def verify(
+    params: Params,
+    cache: Cache,
+    tokens: mx.array,
+    proposal: Proposal,
+    width: int,
+    sampling: Sampling = GREEDY,
+    limit: mx.array | None = None,
+    active: mx.array | None = None,
+) -> tuple[Cache, Round]:
+    """Verify ``width`` tokens (anchor + the first ``width - 1`` drafts of
+    ``proposal``), accept at most ``limit[b]`` drafts per row, commit.
+
+    ``active`` (default all) marks the rows still generating; the others
+    keep their state. The caller must leave ``width`` free slots per row.
+    """
+    _check_width(params.spec, width)
+    batch = tokens.shape[0]
+    limit = mx.full((batch,), width - 1, mx.int32) if limit is None else limit
+    active = mx.ones((batch,), mx.bool_) if active is None else active
+    kernel = _verify_kernel(params.spec, width, sampling)
+    cache, result = kernel(
+        params.target, params.draft, tuple(cache), tokens,
+        proposal.tokens, proposal.log_probs, proposal.confidence_logits, limit, active,
+    )
+    return Cache(*cache), Round(*result)
+
+
+def speculate(
+    params: Params,
+    cache: Cache,
+    tokens: mx.array,
+    width: int | None = None,
+    sampling: Sampling = GREEDY,
+    limit: mx.array | None = None,
+    active: mx.array | None = None,
+) -> tuple[Cache, Round]:
+    """One DSpark round from the anchors ``tokens [B]``: draft, verify ``width``
+    tokens (anchor + ``width - 1`` drafts), accept, commit.
+
+    Returns ``(cache, Round)``; ``Round.next_tokens`` are the next anchors.
+    Nothing is synchronised with the host.
+    """
+    width = params.spec.block_size + 1 if width is None else width
+    _check_width(params.spec, width)
+    proposal = _proposal(params, cache, tokens, sampling, drafting=width > 1)
+    return verify(params, cache, tokens, proposal, width, sampling, limit, active)
+
+
+def verify_block(
+    params: Params,
+    cache: Cache,
+    block: mx.array,
+    draft_log_probs: mx.array | None = None,
+    sampling: Sampling = GREEDY,
+):
+    """Verify a caller-chosen ``block [B, W] = [anchor, proposals...]`` and commit.
+
+    The same verify/accept/commit as ``speculate``, for proposals that do not
+    come from the draft (replays, tests, external drafters). Sampling needs
+    the proposals' distribution ``draft_log_probs [B, W - 1, V]``.
+    """
+    batch, width = block.shape
+    if draft_log_probs is None:
+        if not sampling.greedy:
+            raise ValueError("rejection sampling needs draft_log_probs, the distribution the proposals came from")
+        draft_log_probs = mx.zeros((batch, width - 1, params.spec.target.vocab_size))
+    proposal = Proposal(
+        block[:, 1:], None, mx.zeros((batch, width - 1)), None, None, draft_log_probs
+    )
+    return verify(params, cache, block[:, 0], proposal, width, sampling)
 
 
 @lru_cache(maxsize=None)
@@ -157,7 +290,7 @@ def _prefill_kernel(spec: PairSpec):
     def chunk(target, draft, cache, tokens, start, last_row, last_logits):
         TRACE_COUNTS["prefill"] += 1
         adapter = spec.target_adapter
-        target_kv, draft_state, length = cache
+        target_kv, draft_state = cache
         hidden, features, target_kv = adapter.forward(
             spec.target, target, target_kv, tokens, start, spec.taps
         )
@@ -167,33 +300,9 @@ def _prefill_kernel(spec: PairSpec):
         picked = mx.take_along_axis(hidden, mx.clip(row, 0, tokens.shape[1] - 1)[:, None, None], axis=1)
         logits = adapter.logits(spec.target, target, picked[:, 0])
         last_logits = mx.where(in_chunk[:, None], logits, last_logits)
-        return (target_kv, draft_state, length), last_logits
+        return (target_kv, draft_state), last_logits
 
     return mx.compile(chunk)
-
-
-def speculate(params: Params, cache: Cache, tokens: mx.array, width: int | None = None):
-    """One DSpark round from the anchors ``tokens [B]``: draft, verify ``width``
-    tokens (anchor + ``width - 1`` drafts), accept, commit.
-
-    Returns ``(cache, Round)``; ``Round.next_tokens`` are the next anchors.
-    The caller must leave ``width`` free slots: ``length + width <= capacity``.
-    """
-    width = params.spec.block_size + 1 if width is None else width
-    if not 1 <= width <= params.spec.block_size + 1:
-        raise ValueError(f"verify width {width} must be in 1..{params.spec.block_size + 1}")
-    cache, result = _round_kernel(params.spec, width)(params.target, params.draft, tuple(cache), tokens)
-    return Cache(*cache), Round(*result)
-
-
-def verify_block(params: Params, cache: Cache, block: mx.array):
-    """Verify a caller-chosen ``block [B, W] = [anchor, proposals...]`` and commit.
-
-    The same verify/accept/commit as ``speculate``, for proposals that do not
-    come from the draft (replays, tests, external drafters).
-    """
-    cache, result = _verify_kernel(params.spec)(params.target, params.draft, tuple(cache), block)
-    return Cache(*cache), Round(*result)
 
 
 def _as_rows(prompt) -> list[list[int]]:
@@ -205,12 +314,22 @@ def _as_rows(prompt) -> list[list[int]]:
     return rows
 
 
-def prefill(params: Params, cache: Cache, prompt, chunk_size: int = PREFILL_CHUNK):
+def _distinct_rows(rows: list[list[int]]) -> tuple[list[list[int]], list[int]]:
+    """The distinct prompts, and for each row the index of its prompt among them."""
+    first_seen: dict = {}
+    source = [first_seen.setdefault(tuple(r), len(first_seen)) for r in rows]
+    return [list(r) for r in first_seen], source
+
+
+def prefill(params: Params, cache: Cache, prompt, sampling: Sampling = GREEDY, chunk_size: int | None = None):
     """Run the prompt(s) through the target in fixed chunks and seed the draft context.
 
     ``prompt`` is a token list, a list of token lists (one per batch row, any
     lengths) or an int array. Returns ``(cache, tokens)``: the first generated
-    token of each row, which is the first anchor.
+    token of each row (argmax, or a draw under ``sampling``), the first anchor.
+    A prompt repeated over several rows (n samples of one prompt) is run
+    once and its cache rows copied. Chunks hold ``PREFILL_CHUNK`` tokens, or
+    the capacity when that is smaller.
     """
     rows = _as_rows(prompt)
     if len(rows) != cache.batch_size:
@@ -218,6 +337,7 @@ def prefill(params: Params, cache: Cache, prompt, chunk_size: int = PREFILL_CHUN
     vocab = params.spec.target.vocab_size
     if any(not 0 <= t < vocab for r in rows for t in r):
         raise ValueError(f"prompt token ids must be in 0..{vocab - 1}")
+    chunk_size = chunk_size or min(PREFILL_CHUNK, cache.capacity)
     longest = max(len(r) for r in rows)
     padded_length = math.ceil(longest / chunk_size) * chunk_size
     if padded_length > cache.capacity:
@@ -225,27 +345,36 @@ def prefill(params: Params, cache: Cache, prompt, chunk_size: int = PREFILL_CHUN
             f"prompt of {longest} tokens does not fit the cache capacity {cache.capacity} "
             f"(prefill pads to {padded_length}); allocate a larger cache or shorten the prompt"
         )
-    padded = mx.array([r + [0] * (padded_length - len(r)) for r in rows], mx.int32)
-    lengths = mx.array([len(r) for r in rows], mx.int32)
+    distinct, source = _distinct_rows(rows)
+    state = (cache.target, cache.draft)
+    if len(distinct) < len(rows):  # every cache array is batch-major
+        state = tree_map(lambda a: a[: len(distinct)], state)
+    padded = mx.array([r + [0] * (padded_length - len(r)) for r in distinct], mx.int32)
+    last_rows = mx.array([len(r) - 1 for r in distinct], mx.int32)
     kernel = _prefill_kernel(params.spec)
-    state = tuple(cache)
-    last_logits = mx.zeros((len(rows), vocab), mx.float32)
+    last_logits = mx.zeros((len(distinct), vocab), mx.float32)
     for begin in range(0, padded_length, chunk_size):
-        start = mx.full((len(rows),), begin, mx.int32)
+        start = mx.full((len(distinct),), begin, mx.int32)
         chunk = padded[:, begin : begin + chunk_size]
-        state, last_logits = kernel(params.target, params.draft, state, chunk, start, lengths - 1, last_logits)
-    cache = Cache(state[0], state[1], lengths)
-    return cache, mx.argmax(last_logits, axis=-1).astype(mx.int32)
+        state, last_logits = kernel(params.target, params.draft, state, chunk, start, last_rows, last_logits)
+    if len(distinct) < len(rows):
+        index = mx.array(source)
+        state, last_logits = tree_map(lambda a: a[index], (state, last_logits))
+    rng, key = mx.random.split(cache.rng)
+    lengths = mx.array([len(r) for r in rows], mx.int32)
+    return Cache(state[0], state[1], lengths, rng), choose(last_logits, sampling, key)
 
 
 class Event(NamedTuple):
-    """What one step of ``generate`` produced (``kind`` is "prefill" or "round")."""
+    """What one step of ``generate`` produced for one row (``kind`` is "prefill" or "round")."""
 
     kind: str
     emitted: list
     accepted: int
-    drafted: list
+    drafted: list  # the proposal this row verified (its first ``limit`` drafts)
     confidences: list
+    row: int = 0
+    width: int = 0  # verify width of the round (shared by the batch)
 
 
 def capacity_for(prompt_length: int, max_new_tokens: int, width: int) -> int:
@@ -262,46 +391,114 @@ def _truncate(tokens: list, stop_tokens, budget: int) -> tuple[list, bool]:
     return tokens[:budget], len(tokens) >= budget
 
 
+def measure_costs(params: Params, batch_size: int, capacity: int, widths, sampling: Sampling = GREEDY) -> CostCurve:
+    """Time the draft kernel and the verify kernel of each width on this machine."""
+    cache = init_cache(params, batch_size, capacity)
+    tokens = mx.zeros((batch_size,), mx.int32)
+    proposal = propose(params, cache, tokens, sampling)
+    runs = {width: lambda width=width: verify(params, cache, tokens, proposal, width, sampling) for width in widths}
+    seconds = fastest_seconds(runs | {"draft": lambda: propose(params, cache, tokens, sampling)})
+    return CostCurve(seconds.pop("draft"), monotone(seconds))
+
+
+def model_signature(params: Params) -> str:
+    """What a verify costs depends on: both specs and every tensor's shape and
+    dtype (so a quantized draft is timed apart from its float original)."""
+    tensors = tree_flatten((params.target, params.draft))
+    return repr((params.spec.target, params.spec.draft, [(k, v.shape, v.dtype) for k, v in tensors]))
+
+
+def verify_policy(
+    params: Params,
+    width,
+    batch_size: int,
+    capacity: int,
+    sampling: Sampling = GREEDY,
+    confidence_threshold: float = 0.0,
+    costs: CostCurve | None = None,
+) -> VerifyPolicy:
+    """The policy for ``width`` = an int (fixed), None (the whole block) or
+    "auto" (Algorithm 1 over a cost curve: ``costs``, else measured on first
+    use and cached per model, device, batch size and capacity)."""
+    spec = params.spec
+    if not (width is None or width == "auto" or isinstance(width, int)):
+        raise ValueError(f"verify width must be an integer, None or 'auto', got {width!r}")
+    auto = width == "auto"
+    widest = spec.block_size + 1 if width is None or auto else width
+    _check_width(spec, widest)
+    buckets = width_buckets(spec.block_size, widest)
+    if auto and costs is None:
+        key = cost_key(model_signature(params), batch_size, capacity, sampling)
+        costs = cached_costs(key, lambda: measure_costs(params, batch_size, capacity, buckets, sampling))
+    return VerifyPolicy(widest, buckets, confidence_threshold, costs if auto else None)
+
+
 def generate(
     params: Params,
-    prompt: Sequence[int],
+    prompt,
     max_new_tokens: int,
-    width: int | None = None,
+    width: int | str | None = None,
     stop_tokens: Sequence[int] = (),
     capacity: int | None = None,
+    sampling: Sampling = GREEDY,
+    seed: int = 0,
+    confidence_threshold: float = 0.0,
+    costs: CostCurve | None = None,
 ) -> Iterator[Event]:
-    """Greedy DSpark generation for one prompt, one ``Event`` per round.
+    """DSpark generation for one prompt or a batch of prompts (a list of
+    token lists), one ``Event`` per row per step.
 
-    Output tokens equal greedy decoding of the target alone. One host
-    synchronisation per round.
+    ``width``: int (fixed), None (block size + 1) or "auto"; with
+    ``confidence_threshold`` each row's proposal ends at its first slot with
+    a lower confidence. Greedy output equals greedy decoding of the target
+    alone, row by row; sampled output is distributed as sampling the target
+    alone. Rows that finish stop emitting while the others go on.
+
+    One host synchronisation per round: the verify of round r and the draft
+    of round r + 1 are evaluated together, so the host reads round r's
+    tokens and round r + 1's confidences at once, then picks the width of
+    round r + 1 from its own draft's confidences.
     """
-    prompt = _as_rows(prompt)[0]
-    width = params.spec.block_size + 1 if width is None else width
+    rows = _as_rows(prompt)
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be at least 1")
-    capacity = capacity or capacity_for(len(prompt), max_new_tokens, width)
-    if len(prompt) + max_new_tokens + width > capacity:
+    spec, batch = params.spec, len(rows)
+    longest = max(len(r) for r in rows)
+    widest = width if isinstance(width, int) else spec.block_size + 1
+    capacity = capacity or capacity_for(longest, max_new_tokens, widest)
+    if longest + max_new_tokens + widest > capacity:
         raise ValueError(
-            f"prompt of {len(prompt)} tokens + {max_new_tokens} new tokens + verify width "
-            f"{width} exceeds the cache capacity {capacity}"
+            f"prompt of {longest} tokens + {max_new_tokens} new tokens + verify width "
+            f"{widest} exceeds the cache capacity {capacity}"
         )
+    policy = verify_policy(params, width, batch, capacity, sampling, confidence_threshold, costs)
     stop_tokens = set(stop_tokens)
-    cache, tokens = prefill(params, init_cache(params, 1, capacity), [prompt])
-    first = tokens.tolist()
-    emitted, done = _truncate(first, stop_tokens, max_new_tokens)
-    yield Event("prefill", emitted, 0, [], [])
-    produced = len(emitted)
-    while not done:
-        cache, result = speculate(params, cache, tokens, width)
-        tokens = result.next_tokens
-        mx.eval(cache, result)
-        count = result.count.item()
-        emitted, done = _truncate(result.emitted[0, :count].tolist(), stop_tokens, max_new_tokens - produced)
-        produced += len(emitted)
-        yield Event(
-            "round",
-            emitted,
-            result.accepted.item(),
-            result.drafted[0].tolist(),
-            result.confidences[0].tolist(),
+    cache, tokens = prefill(params, init_cache(params, batch, capacity, seed), rows, sampling)
+    drafting = policy.max_width > 1
+    proposal = _proposal(params, cache, tokens, sampling, drafting)
+    mx.eval(tokens, proposal)
+    produced, done = [0] * batch, [False] * batch
+    for row, token in enumerate(tokens.tolist()):
+        emitted, done[row] = _truncate([token], stop_tokens, max_new_tokens)
+        produced[row] = len(emitted)
+        yield Event("prefill", emitted, 0, [], [], row)
+    while not all(done):
+        active = ~np.array(done)
+        confidences = 1 / (1 + np.exp(-np.array(proposal.confidence_logits)))
+        round_width, limits = policy.plan(confidences, active)
+        cache, result = verify(
+            params, cache, tokens, proposal, round_width, sampling, mx.array(limits), mx.array(active)
         )
+        tokens = result.next_tokens
+        proposal = _proposal(params, cache, tokens, sampling, drafting)
+        mx.eval(result, proposal)
+        emitted, counts = result.emitted.tolist(), result.count.tolist()
+        accepted, drafted = result.accepted.tolist(), result.drafted.tolist()
+        verified_confidences = result.confidences.tolist()
+        for row in np.flatnonzero(active).tolist():
+            kept, done[row] = _truncate(emitted[row][: counts[row]], stop_tokens, max_new_tokens - produced[row])
+            produced[row] += len(kept)
+            limit = int(limits[row])
+            yield Event(
+                "round", kept, accepted[row], drafted[row][:limit], verified_confidences[row][:limit], row, round_width
+            )

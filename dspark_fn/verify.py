@@ -1,8 +1,18 @@
-"""Accept rules: which drafted tokens the target keeps, and what it emits after them."""
+"""Accept rules: which drafted tokens the target keeps, and what it emits after them.
+
+``block = [anchor, x_1 .. x_{W-1}]``; row ``j`` of the target's output
+predicts the token after ``block[:, j]``. ``limit [B]`` caps how many drafts a
+row may accept (its proposal length this round); drafts past it are verified
+for free but never kept, so every rule stays exact under a shorter proposal.
+"""
 
 from typing import NamedTuple
 
 import mlx.core as mx
+
+from .sampling import Sampling, log_probs
+
+RESIDUAL_FLOOR = 1e-8  # below this residual mass, fall back to the target distribution
 
 
 class Accepted(NamedTuple):
@@ -26,14 +36,61 @@ def emitted_tokens(block: mx.array, accepted: mx.array, next_tokens: mx.array) -
     return mx.where(slot <= count, out, -1)
 
 
-def accept_greedy(block: mx.array, target_logits: mx.array) -> Accepted:
+def _full_limit(block: mx.array, limit) -> mx.array:
+    return mx.full((block.shape[0],), block.shape[1] - 1, mx.int32) if limit is None else limit
+
+
+def _accepted(block, accepted, next_tokens) -> Accepted:
+    next_tokens = next_tokens.astype(block.dtype)
+    return Accepted(accepted, next_tokens, emitted_tokens(block, accepted, next_tokens))
+
+
+def accept_greedy(block: mx.array, target_logits: mx.array, limit=None) -> Accepted:
     """Keep drafts while they equal the target's argmax; then emit the argmax.
 
-    ``block = [anchor, x_1 .. x_{W-1}]``; row ``j`` of ``target_logits``
-    predicts the token after ``block[:, j]``. Output equals greedy decoding of
-    the target alone.
+    Output equals greedy decoding of the target alone.
     """
     choice = mx.argmax(target_logits, axis=-1).astype(block.dtype)
-    accepted = leading_run(block[:, 1:] == choice[:, :-1])
+    run = leading_run(block[:, 1:] == choice[:, :-1])
+    accepted = mx.minimum(run, _full_limit(block, limit))
     next_tokens = mx.take_along_axis(choice, accepted[:, None], axis=1)[:, 0]
-    return Accepted(accepted, next_tokens, emitted_tokens(block, accepted, next_tokens))
+    return _accepted(block, accepted, next_tokens)
+
+
+def accept_sampled(
+    block: mx.array,
+    target_logits: mx.array,
+    draft_log_probs: mx.array,
+    sampling: Sampling,
+    key: mx.array,
+    limit=None,
+) -> Accepted:
+    """Rejection sampling (Leviathan et al. / Chen et al.): the emitted tokens
+    are distributed exactly as sampling the target alone under ``sampling``.
+
+    Draft ``x_k`` (drawn from ``q_k = exp(draft_log_probs[:, k-1])``) is kept
+    with probability ``min(1, p_k(x_k) / q_k(x_k))``; at the first rejection the
+    next token is drawn from ``normalize(max(p - q, 0))`` at that slot, after a
+    full accept from ``p`` at the slot after the last kept draft.
+    """
+    batch, width = block.shape
+    limit = _full_limit(block, limit)
+    uniform_key, residual_key = mx.random.split(key)
+    target = log_probs(target_logits, sampling)  # [B, W, V]
+    drafts = block[:, 1:, None]
+    p_draft = mx.take_along_axis(target[:, :-1], drafts, axis=-1)[..., 0]
+    q_draft = mx.take_along_axis(draft_log_probs[:, : width - 1], drafts, axis=-1)[..., 0]
+    uniforms = mx.random.uniform(shape=(batch, width - 1), key=uniform_key)
+    run = leading_run(mx.log(uniforms) < p_draft - q_draft)
+    accepted = mx.minimum(run, limit)
+    rejected = (run < limit)[:, None]
+
+    slot = accepted[:, None, None]
+    p = mx.exp(mx.take_along_axis(target, slot, axis=1)[:, 0])
+    residual = p
+    if width > 1:  # a rejected slot is always a draft slot, < width - 1
+        q = mx.exp(mx.take_along_axis(draft_log_probs, mx.minimum(slot, width - 2), axis=1)[:, 0])
+        residual = mx.where(rejected, mx.maximum(p - q, 0), p)
+    residual = mx.where(residual.sum(axis=-1, keepdims=True) > RESIDUAL_FLOOR, residual, p)
+    next_tokens = mx.random.categorical(mx.log(residual), key=residual_key)
+    return _accepted(block, accepted, next_tokens)

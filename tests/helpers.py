@@ -7,6 +7,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten, tree_map
+from safetensors.numpy import load_file
 
 import dspark_fn
 from dspark_fn.checkpoints import save_draft
@@ -35,25 +36,36 @@ def target_config(model_type="qwen3", vocab=256, hidden=64, layers=6, heads=4, k
     }
 
 
-def build_target(directory: Path, config: dict, seed: int = 0, gain: float = 2.5):
+def build_target(directory: Path, config: dict, seed: int = 0, gain: float = 2.5, vector_spread: float = 0.0):
     """A random mlx-lm model saved as an HF directory; weights scaled up so
-    greedy argmax margins stay far above float32 noise."""
+    greedy argmax margins stay far above float32 noise. ``vector_spread > 0``
+    scales each 1-D tensor (norm weights, layer scalars) by U(1 - s, 1 + s) so
+    that code ignoring one of them fails."""
     from mlx_lm.utils import _get_classes
 
     model_class, args_class = _get_classes(config)
     mx.random.seed(seed)
     model = model_class(args_class.from_dict(config))
-    scaled = tree_map(lambda w: w * gain if w.ndim == 2 else w, model.parameters())
-    model.update(scaled)
+
+    def randomised(w):
+        if w.ndim == 2:
+            return w * gain
+        if w.ndim == 1 and vector_spread:
+            return w * mx.random.uniform(1 - vector_spread, 1 + vector_spread, w.shape)
+        return w
+
+    model.update(tree_map(randomised, model.parameters()))
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(config))
     mx.save_safetensors(str(directory / "model.safetensors"), dict(tree_flatten(model.parameters())))
     return model
 
 
-def draft_config(target: dict, layers=2, taps=(1, 3), block_size=7, markov_rank=8, mask_token_id=None):
+def draft_config(target: dict, layers=2, taps=(1, 3), block_size=7, markov_rank=8, mask_token_id=None, model_type="qwen3"):
+    """A DeepSpec-style draft config derived from the target's (qwen3 drafts serve any llama-family target)."""
     config = dict(target)
     config.update(
+        model_type=model_type,
         num_hidden_layers=layers,
         num_target_layers=target["num_hidden_layers"],
         target_layer_ids=list(taps),
@@ -76,6 +88,50 @@ def build_draft(directory: Path, config: dict, seed: int = 0, gain: float = 2.0,
     return save_draft(directory, config, weights)
 
 
+def build_bigram_draft(directory: Path, config: dict, model, context, scale=1.0, seed=0, **draft_kwargs):
+    """A draft that predicts like a bigram model of the target: its own head
+    is zero and its Markov head holds ``scale`` x the target's next-token
+    logits after ``context + [token]``, for every token. ``scale > 0`` gives
+    proposals that often match the target; ``scale < 0`` proposes what the
+    target rarely picks. Its confidence after token ``x`` is the measured
+    acceptance rate ``1 - TV`` (at temperature 1) of its proposal against the
+    target after a few random contexts ending in ``x``: what DeepSpec trains
+    the confidence head to predict."""
+    vocab = config["vocab_size"]
+    table = model(mx.array([list(context) + [token] for token in range(vocab)]))[:, -1, :].astype(mx.float32)
+    draft = draft_config(config, markov_rank=vocab, **draft_kwargs)
+    arch = resolve_arch(draft)
+    weights = random_draft_weights(arch, arch.spec_from_config(draft), seed=seed, gain=2.0)
+    del weights["embed_tokens.weight"]
+    weights["lm_head.weight"] = mx.zeros_like(weights["lm_head.weight"])
+    weights["markov_head.markov_w1.weight"] = mx.eye(vocab)
+    weights["markov_head.markov_w2.weight"] = scale * table.T
+    accept = mx.clip(bigram_acceptance(model, scale * table, seed), 1e-4, 1 - 1e-4)
+    hidden = mx.zeros((config["hidden_size"],))
+    weights["confidence_head.proj.weight"] = mx.concatenate([hidden, mx.log(accept / (1 - accept))])[None]
+    return save_draft(directory, draft, weights)
+
+
+def bigram_acceptance(model, table: mx.array, seed: int, contexts: int = 8, length: int = 6) -> mx.array:
+    """``[V]``: mean ``sum_v min(p_target(v), q(v))`` over random contexts ending in each token."""
+    vocab = table.shape[0]
+    prefixes = np.random.default_rng(seed).integers(0, vocab, size=(contexts, length))
+    rows = [prefix.tolist() + [token] for token in range(vocab) for prefix in prefixes]
+    target = mx.softmax(model(mx.array(rows))[:, -1, :].astype(mx.float32), axis=-1).reshape(vocab, contexts, vocab)
+    proposal = mx.softmax(table, axis=-1)[:, None, :]
+    return mx.minimum(target, proposal).sum(axis=-1).mean(axis=1)
+
+
+def damp_attention(directory: Path, model, factor: float):
+    """Scale every attention output projection of a built target by ``factor``
+    and save it again: the next token then depends mostly on the current one,
+    which a bigram draft predicts well (acceptance between none and all)."""
+    for layer in model.model.layers:
+        layer.self_attn.o_proj.weight = layer.self_attn.o_proj.weight * factor
+    mx.save_safetensors(str(directory / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    return model
+
+
 def mlx_lm_greedy(model, prompt, n):
     """The target alone, greedy, through mlx-lm's own decoding loop."""
     from mlx_lm.generate import generate_step
@@ -90,3 +146,93 @@ def speculative_tokens(params, prompt, n, **kwargs):
 
 def random_prompt(rng: np.random.Generator, length: int, vocab: int):
     return rng.integers(0, vocab - 1, size=length).tolist()
+
+
+# ---- parity replays against the DeepSpec reference traces (../shared/parity/<case>)
+
+PARITY_TOL = 1e-3
+
+
+def close(actual, expected, what, tol=PARITY_TOL):
+    actual = np.asarray(actual)
+    assert actual.shape == expected.shape, what
+    err = np.abs(actual - expected).max()
+    assert err <= tol, f"{what}: max |diff| {err:.2e} > {tol}"
+
+
+def load_parity_case(root: Path):
+    """The fixture's target + draft as ``Params`` and its natural/forced traces ``(tensors, meta)``."""
+    params = dspark_fn.load(root / "target", root / "draft")
+    traces = {
+        mode: (load_file(str(root / f"{name}.safetensors")), json.loads((root / f"{name}.json").read_text()))
+        for mode, name in (("natural", "trace"), ("forced", "trace_forced"))
+    }
+    return params, traces
+
+
+def check_prefill(params, tensors, meta):
+    """Target logits and tapped features over the prompt, and the first token."""
+    spec = params.spec
+    kv = spec.target_adapter.init_kv(spec.target, 1, 64)
+    prompt = mx.array([meta["prompt_ids"]])
+    hidden, features, _ = spec.target_adapter.forward(
+        spec.target, params.target, kv, prompt, mx.array([0]), spec.taps
+    )
+    close(spec.target_adapter.logits(spec.target, params.target, hidden)[0], tensors["prefill_logits"], "prefill logits")
+    close(features[0], tensors["prefill_features"], "prefill features")
+    cache, first = dspark_fn.prefill(params, dspark_fn.init_cache(params, 1, 128), meta["prompt_ids"])
+    assert first.tolist() == [meta["first_token"]]
+    assert cache.length.tolist() == [meta["prompt_len"]]
+
+
+def check_rounds(params, tensors, meta):
+    """Replay the recorded verify inputs; every round's draft outputs and
+    verify decisions must equal the reference."""
+    cache, tokens = dspark_fn.prefill(params, dspark_fn.init_cache(params, 1, 128), meta["prompt_ids"])
+    emitted = list(tokens.tolist())
+    for r, recorded in enumerate(meta["rounds"]):
+        assert tokens.tolist() == [recorded["anchor_token"]], f"round {r} anchor"
+        assert cache.length.tolist() == [recorded["anchor_pos"]], f"round {r} position"
+        proposal = dspark_fn.draft_block(params, cache, tokens)
+        close(proposal.hidden[0], tensors["block_hidden"][r], f"round {r} block hidden")
+        close(proposal.base_logits[0], tensors["base_logits"][r], f"round {r} base logits")
+        close(proposal.logits[0], tensors["corrected_logits"][r], f"round {r} corrected logits")
+        close(proposal.confidence_logits[0], tensors["confidence_logits"][r], f"round {r} confidence logits")
+        close(mx.sigmoid(proposal.confidence_logits[0]), tensors["confidences"][r], f"round {r} confidences")
+        assert proposal.tokens[0].tolist() == recorded["draft_tokens"], f"round {r} drafted tokens"
+
+        block = mx.array([recorded["verify_input_ids"]], mx.int32)
+        cache, result = dspark_fn.verify_block(params, cache, block)
+        assert result.accepted.tolist() == [recorded["accepted"]], f"round {r} accepted"
+        count = result.count.item()
+        assert result.emitted[0, :count].tolist() == recorded["emitted"], f"round {r} emitted"
+        tokens = result.next_tokens
+        emitted += recorded["emitted"]
+    assert emitted == meta["output_tokens"]
+    if meta["mode"] == "forced":
+        # the forced schedule exercises every acceptance length 0..block_size
+        assert {r["accepted"] for r in meta["rounds"]} == set(range(meta["block_size"] + 1))
+
+
+def check_natural_generation(params, meta):
+    """``generate`` reproduces the natural trace: output, drafts and acceptances."""
+    events = list(dspark_fn.generate(params, meta["prompt_ids"], len(meta["output_tokens"])))
+    assert [t for e in events for t in e.emitted] == meta["output_tokens"]
+    rounds = [e for e in events if e.kind == "round"]
+    assert [e.drafted for e in rounds] == [r["draft_tokens"] for r in meta["rounds"]]
+    assert [e.accepted for e in rounds] == [r["accepted"] for r in meta["rounds"]]
+
+
+def check_draft_context_cache(params, tensors, meta):
+    """Draft context K/V before rounds 0 and 1 equal the reference cache (context rows only)."""
+    cache, _ = dspark_fn.prefill(params, dspark_fn.init_cache(params, 1, 128), meta["prompt_ids"])
+    for r in range(2):
+        block = mx.array([meta["rounds"][r]["verify_input_ids"]], mx.int32)
+        expected_k, expected_v = tensors[f"debug.r{r}.cache_k"], tensors[f"debug.r{r}.cache_v"]
+        # The reference cache holds context up to this round's anchor position.
+        length = expected_k.shape[2]
+        assert cache.length.item() == length
+        for layer, (keys, values) in enumerate(cache.draft):
+            close(keys[0, :, :length], expected_k[layer], f"round {r} layer {layer} keys")
+            close(values[0, :, :length], expected_v[layer], f"round {r} layer {layer} values")
+        cache, _ = dspark_fn.verify_block(params, cache, block)

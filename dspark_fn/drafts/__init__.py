@@ -3,10 +3,12 @@
 Adding a backbone is one module exposing ``ARCH`` and one line below.
 """
 
-from . import qwen3
+from . import deepseek_v4, gemma4, qwen3
 from .base import DraftArch, DSparkFields
 
 ARCH_REGISTRY: dict[str, DraftArch] = {
+    "deepseek_v4": deepseek_v4.ARCH,
+    "gemma4_text": gemma4.ARCH,
     "qwen3": qwen3.ARCH,
 }
 

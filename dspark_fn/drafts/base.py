@@ -61,6 +61,8 @@ class DraftArch(NamedTuple):
         the block at positions ``length[b] + k`` attending to context slots
         ``< length[b]`` and to the whole block; ``head_hidden`` feeds the
         confidence head
+    prepare_params(spec, tree) -> tree       optional last loading step for layouts a
+                                             per-key map cannot reach (stacking experts)
     """
 
     spec_from_config: Callable
@@ -69,3 +71,4 @@ class DraftArch(NamedTuple):
     init_context: Callable
     extend_context: Callable
     block_forward: Callable
+    prepare_params: Callable | None = None

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from .. import ops
-from ..cache import kv_buffers, positions_from, prefix_mask, write_rows
+from ..cache import block_mask, kv_buffers, positions_from, write_rows
 from ..targets.llama import rope_parameters
 from .base import DraftArch, DSparkFields, dspark_fields
 from .heads import head_shapes
@@ -104,12 +104,11 @@ def extend_context(spec: Qwen3DraftSpec, params: dict, state: list, features, st
 
 
 def block_forward(spec: Qwen3DraftSpec, params: dict, state: list, length, block_ids):
-    batch, width = block_ids.shape
+    width = block_ids.shape[1]
     capacity = state[0][0].shape[2]
     positions = positions_from(length, width)
     inv_freq = ops.rope_inv_freq(spec.head_dim, dict(spec.rope))
-    context_visible = mx.broadcast_to(prefix_mask(length, capacity), (batch, 1, width, capacity))
-    mask = mx.concatenate([context_visible, mx.ones((batch, 1, width, width), mx.bool_)], axis=-1)
+    mask = block_mask(length, capacity, width)
     h = ops.embed(params["embed_tokens"], block_ids)
     for layer, (keys, values) in zip(params["layers"], state):
         attn = layer["self_attn"]

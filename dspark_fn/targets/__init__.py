@@ -4,10 +4,12 @@ An adapter is one module exposing ``ADAPTER``; registering a family is one
 line in the registry below. The round kernel only ever calls the adapter.
 """
 
-from . import llama
+from . import deepseek_v4, gemma4, llama
 from .base import TargetAdapter
 
 TARGET_REGISTRY: dict[str, TargetAdapter] = {
+    "deepseek_v4": deepseek_v4.ADAPTER,
+    "gemma4_text": gemma4.ADAPTER,
     "llama": llama.ADAPTER,
     "mistral": llama.ADAPTER,
     "qwen2": llama.ADAPTER,

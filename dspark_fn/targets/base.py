@@ -14,9 +14,11 @@ class TargetAdapter(NamedTuple):
         final-normed output, ``features`` the concatenated raw outputs of the
         decoder layers listed in ``taps`` (``[B, L, len(taps) * d]``).
     logits(spec, params, hidden) -> [..., V]
+    load_params(directory) -> params   optional; without it the tree is mlx-lm's
     """
 
     spec_from_config: Callable
     init_kv: Callable
     forward: Callable
     logits: Callable
+    load_params: Callable | None = None

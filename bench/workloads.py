@@ -1,0 +1,61 @@
+"""Workloads measured by the benchmarks: each returns the tokens it produced.
+
+Used by the pytest-benchmark suites and by ``bench/report.py``; every
+comparison runs both sides on the same weights and prompt in one process.
+"""
+
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+import dspark_fn
+
+PARITY = Path(os.environ.get("DSPARK_PARITY_DIR", Path(__file__).resolve().parents[2] / "shared" / "parity"))
+
+
+def fixture_pair(case: str = "qwen3_tiny"):
+    """``(params, mlx-lm model, prompt)`` of a parity fixture."""
+    from mlx_lm.utils import load_model
+
+    root = PARITY / case
+    params = dspark_fn.load(root / "target", root / "draft")
+    model, _ = load_model(root / "target")
+    prompt = json.loads((root / "trace.json").read_text())["prompt_ids"]
+    return params, model, prompt
+
+
+def dspark_generate(params, prompt, n, **kwargs) -> list[int]:
+    return [t for event in dspark_fn.generate(params, prompt, n, **kwargs) for t in event.emitted]
+
+
+def mlx_lm_generate(model, prompt, n) -> list[int]:
+    from mlx_lm.generate import generate_step
+
+    steps = generate_step(mx.array(prompt), model, max_tokens=n, sampler=lambda x: mx.argmax(x, axis=-1))
+    return [int(token) for token, _ in steps]
+
+
+def eager(fn):
+    """Run ``fn`` with ``mx.compile`` turned off (the same code, uncompiled)."""
+
+    def run(*args, **kwargs):
+        mx.disable_compile()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            mx.enable_compile()
+
+    return run
+
+
+def median_seconds(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)

@@ -1,0 +1,97 @@
+"""Side-by-side speed: the target alone (mlx-lm greedy ``generate_step``) vs
+dspark on the same weights and prompts, in one process, medians of repeats."""
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from .speculate import generate
+from .stats import Acceptance
+
+
+def mlx_lm_model(config: dict, target_params: dict):
+    """mlx-lm's own model for ``config``, sharing our parameter arrays."""
+    from mlx_lm.utils import _get_classes
+
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))
+    model.update(target_params)
+    return model
+
+
+def baseline_tokens(model, prompt: list[int], max_new_tokens: int, stop: set) -> list[int]:
+    """Greedy decoding with mlx-lm's generate_step, cut at the first stop token."""
+    from mlx_lm.generate import generate_step
+
+    tokens = []
+    steps = generate_step(mx.array(prompt), model, max_tokens=max_new_tokens, sampler=lambda x: mx.argmax(x, axis=-1))
+    for token, _ in steps:
+        tokens.append(int(token))
+        if tokens[-1] in stop:
+            break
+    return tokens
+
+
+def dspark_tokens(params, prompt, max_new_tokens, stop, acceptance: Acceptance | None = None, **options):
+    tokens = []
+    for event in generate(params, prompt, max_new_tokens, stop_tokens=stop, **options):
+        tokens += event.emitted
+        if acceptance is not None and event.kind == "round":
+            acceptance.add(len(event.emitted), event.accepted, len(event.drafted))
+    return tokens
+
+
+def timed(fn, *args, **kwargs):
+    start = time.perf_counter()
+    result = fn(*args, **kwargs)
+    return result, time.perf_counter() - start
+
+
+@dataclass
+class BenchResult:
+    baseline_tokens_per_s: list = field(default_factory=list)
+    dspark_tokens_per_s: list = field(default_factory=list)
+    acceptance: Acceptance = field(default_factory=Acceptance)
+    identical: bool = True
+    prompts: int = 0
+
+    def summary(self) -> dict:
+        baseline = statistics.median(self.baseline_tokens_per_s) if self.baseline_tokens_per_s else 0.0
+        dspark = statistics.median(self.dspark_tokens_per_s) if self.dspark_tokens_per_s else 0.0
+        return {
+            "prompts": self.prompts,
+            "repeats": len(self.dspark_tokens_per_s),
+            "baseline_tokens_per_s": baseline,
+            "dspark_tokens_per_s": dspark,
+            "speedup": dspark / baseline if baseline else 0.0,
+            "tau": self.acceptance.tau,
+            "acceptance_rate": self.acceptance.acceptance_rate,
+            "per_slot_acceptance": self.acceptance.per_slot,
+            "identical": self.identical,
+        }
+
+
+def run_bench(params, model, prompts, max_new_tokens, stop, repeats=3, on_step=lambda: None, **options) -> BenchResult:
+    """Each repeat runs every prompt through both engines; tokens/s per repeat, then medians."""
+    stop = set(stop)
+    result = BenchResult(prompts=len(prompts))
+    # Warm-up: compile dspark's kernels and mlx-lm's graph once, outside the timings.
+    dspark_tokens(params, prompts[0], 8, stop, **options)
+    baseline_tokens(model, prompts[0], 8, stop)
+    for repeat in range(repeats):
+        counts = {"baseline": [0, 0.0], "dspark": [0, 0.0]}
+        for prompt in prompts:
+            expected, seconds = timed(baseline_tokens, model, prompt, max_new_tokens, stop)
+            counts["baseline"][0] += len(expected)
+            counts["baseline"][1] += seconds
+            acceptance = result.acceptance if repeat == 0 else None
+            tokens, seconds = timed(dspark_tokens, params, prompt, max_new_tokens, stop, acceptance, **options)
+            counts["dspark"][0] += len(tokens)
+            counts["dspark"][1] += seconds
+            result.identical &= tokens == expected
+            on_step()
+        result.baseline_tokens_per_s.append(counts["baseline"][0] / counts["baseline"][1])
+        result.dspark_tokens_per_s.append(counts["dspark"][0] / counts["dspark"][1])
+    return result

@@ -1,0 +1,331 @@
+"""``dspark`` — the command line: generate, bench, eval, train, models."""
+
+import argparse
+import json
+import sys
+import time
+
+from .blas import reexec_with_openblas
+from .stats import Acceptance
+
+
+def parse_token_list(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--prompt-tokens wants comma-separated ids, got {text!r}") from None
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="target: an alias (see `dspark models`), a hub repo id, a local "
+                        "directory or a .gguf file; default: the embedded SmolLM2-135M-Instruct")
+    parser.add_argument("--draft", help="DSpark draft: hub repo id or local directory (implied by an alias)")
+    parser.add_argument("--quant-draft", type=int, choices=(4, 8), help="quantize the draft's linear layers")
+
+
+def add_chat_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--system", help="system message for the chat template")
+    parser.add_argument("--no-think", action="store_true", help="turn thinking off (Qwen3 chat templates)")
+    parser.add_argument("--max-tokens", type=int, default=256, help="new tokens per prompt (exact unless a stop token comes first)")
+
+
+def load(args):
+    """``(params, tokenizer or None, target config)`` from --model/--draft/--quant-draft."""
+    from .models import load_named
+
+    params, tokenizer, config = load_named(args.model, args.draft)
+    if args.quant_draft:
+        from .quantize import quantize_draft
+
+        params = params._replace(draft=quantize_draft(params.draft, args.quant_draft))
+    return params, tokenizer, config
+
+
+def prompt_list(args, tokenizer) -> list[list[int]]:
+    """One token list per prompt: every --prompt-tokens, or every text prompt
+    (positional and --prompt) through the chat template."""
+    from .evaluate import chat_tokens
+
+    if args.prompt_tokens:
+        return args.prompt_tokens
+    texts = ([args.text] if args.text else []) + (args.prompt or [])
+    if not texts:
+        raise SystemExit('dspark: give a prompt: dspark generate "your question" (or --prompt-tokens 1,2,3)')
+    if tokenizer is None:
+        raise SystemExit("dspark: this model has no tokenizer; pass --prompt-tokens 1,2,3")
+    return [chat_tokens(tokenizer, text, args.system, think=not args.no_think) for text in texts]
+
+
+def parse_verify(text: str):
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--verify wants a width (an integer) or 'auto', got {text!r}") from None
+
+
+def decoding_options(args) -> dict:
+    """``generate`` keywords from the sampling and verification flags."""
+    from .sampling import Sampling
+
+    return dict(
+        sampling=Sampling(args.temp, args.top_k, args.top_p),
+        seed=args.seed,
+        width=args.verify,
+        confidence_threshold=args.confidence_threshold,
+    )
+
+
+def stop_ids(tokenizer) -> list[int]:
+    from .evaluate import stop_tokens
+
+    return stop_tokens(tokenizer) if tokenizer is not None else []
+
+
+class TextStream:
+    """Prints generated text as tokens arrive (or ids when there is no tokenizer)."""
+
+    def __init__(self, tokenizer, out=sys.stdout):
+        self.detokenizer = tokenizer.detokenizer if tokenizer is not None else None
+        self.out = out
+
+    def add(self, tokens: list[int]) -> None:
+        if self.detokenizer is None:
+            self.out.write("".join(f"{t} " for t in tokens))
+        else:
+            for token in tokens:
+                self.detokenizer.add_token(token)
+            self.out.write(self.detokenizer.last_segment)
+        self.out.flush()
+
+    def close(self) -> None:
+        if self.detokenizer is not None:
+            self.detokenizer.finalize()
+            self.out.write(self.detokenizer.last_segment)
+        self.out.write("\n")
+
+
+def run_generate(args) -> int:
+    from .speculate import generate
+
+    params, tokenizer, config = load(args)
+    prompts = prompt_list(args, tokenizer)
+    if args.compare and len(prompts) > 1:
+        raise SystemExit("dspark: --compare takes a single prompt")
+    stop = stop_ids(tokenizer)
+    stream = TextStream(tokenizer) if not args.json and len(prompts) == 1 else None
+    tokens, rounds = [[] for _ in prompts], [[] for _ in prompts]
+    acceptance, overall = [Acceptance() for _ in prompts], Acceptance()
+    start = time.perf_counter()
+    try:
+        for event in generate(params, prompts, args.max_tokens, stop_tokens=stop, **decoding_options(args)):
+            row = event.row
+            tokens[row] += event.emitted
+            if event.kind == "round":
+                rounds[row].append({"drafted": event.drafted, "accepted": event.accepted, "emitted": event.emitted})
+                for stats in (acceptance[row], overall):
+                    stats.add(len(event.emitted), event.accepted, len(event.drafted))
+            if stream:
+                stream.add(event.emitted)
+    except KeyboardInterrupt:
+        print("\ndspark: interrupted", file=sys.stderr)
+    elapsed = time.perf_counter() - start
+    per_second = 1 / elapsed if elapsed > 0 else 0.0
+    reports = [
+        {"tokens": row_tokens, "rounds": row_rounds, "tau": stats.tau, "tokens_per_s": len(row_tokens) * per_second}
+        for row_tokens, row_rounds, stats in zip(tokens, rounds, acceptance)
+    ]
+    if args.json:
+        print(json.dumps(reports[0] if len(prompts) == 1 else {"batch": reports}))
+        return 0
+    if stream:
+        stream.close()
+    else:
+        for index, row_tokens in enumerate(tokens):
+            print(f"[prompt {index + 1}]")
+            batch_row = TextStream(tokenizer)
+            batch_row.add(row_tokens)
+            batch_row.close()
+    produced = sum(len(t) for t in tokens)
+    print(
+        f"[{produced} tokens, tau {overall.tau:.2f}, "
+        f"acceptance {overall.acceptance_rate:.0%}, {produced * per_second:.1f} tokens/s]",
+        file=sys.stderr,
+    )
+    if args.compare:
+        from .benchmark import baseline_tokens, mlx_lm_model, timed
+
+        target = mlx_lm_model(config, params.target)
+        baseline, seconds = timed(baseline_tokens, target, prompts[0], args.max_tokens, set(stop))
+        alone = len(baseline) / seconds
+        same = "identical tokens" if baseline == tokens[0] else "DIFFERENT tokens"
+        speedup = produced * per_second / alone
+        print(f"[target alone (mlx-lm): {alone:.1f} tokens/s; speedup {speedup:.2f}x; {same}]", file=sys.stderr)
+    return 0
+
+
+def progress(total: int, label: str):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=label, file=sys.stderr, leave=False)
+
+
+def prompt_set(args, tokenizer) -> list[list[int]]:
+    from .evaluate import chat_tokens, first_turns
+
+    if tokenizer is None:
+        raise SystemExit("dspark: this model has no tokenizer, so it cannot read a dataset")
+    return [chat_tokens(tokenizer, text, args.system, think=not args.no_think) for text in first_turns(args.dataset, args.n)]
+
+
+def run_bench(args) -> int:
+    from .benchmark import mlx_lm_model, run_bench as bench
+
+    params, tokenizer, config = load(args)
+    prompts = prompt_set(args, tokenizer)
+    bar = progress(len(prompts) * args.repeats, "bench")
+    try:
+        result = bench(params, mlx_lm_model(config, params.target), prompts, args.max_tokens,
+                       stop_ids(tokenizer), repeats=args.repeats, on_step=bar.update)
+    finally:
+        bar.close()
+    summary = result.summary()
+    if args.json:
+        print(json.dumps(summary))
+        return 0
+    print(f"{'engine':<22}{'tokens/s':>10}")
+    print(f"{'target alone (mlx-lm)':<22}{summary['baseline_tokens_per_s']:>10.1f}")
+    print(f"{'dspark_fn':<22}{summary['dspark_tokens_per_s']:>10.1f}")
+    print(f"speedup {summary['speedup']:.2f}x, tau {summary['tau']:.2f}, identical tokens: {summary['identical']}")
+    print("per-slot acceptance: " + " ".join(f"{a:.2f}" for a in summary["per_slot_acceptance"]))
+    return 0
+
+
+def run_eval(args) -> int:
+    from .evaluate import run_prompts
+
+    params, tokenizer, _ = load(args)
+    prompts = prompt_set(args, tokenizer)
+    bar = progress(len(prompts), f"eval {args.dataset}")
+
+    def on_prompt(done, acceptance):
+        bar.update()
+        bar.set_postfix(tau=f"{acceptance.tau:.2f}")
+
+    acceptance, done, interrupted = run_prompts(params, prompts, args.max_tokens, stop_ids(tokenizer), on_prompt)
+    bar.close()
+    summary = {"dataset": args.dataset, "prompts": done, "interrupted": interrupted, **acceptance.summary()}
+    if args.json:
+        print(json.dumps(summary))
+        return 130 if interrupted else 0
+    note = " (interrupted: partial results)" if interrupted else ""
+    print(f"{args.dataset}: {done} prompts{note}, {summary['rounds']} rounds")
+    print(f"tau {acceptance.tau:.2f}, verify rate {acceptance.verify_rate:.2f}, acceptance {acceptance.acceptance_rate:.0%}")
+    print("per-slot acceptance: " + " ".join(f"{a:.2f}" for a in acceptance.per_slot))
+    return 130 if interrupted else 0
+
+
+def run_models(args) -> int:
+    from .models import DEFAULT_ALIAS, describe
+
+    for alias, target, draft, about in describe():
+        mark = " (default)" if alias == DEFAULT_ALIAS else ""
+        print(f"{alias + mark:<24}{about}\n{'':<24}target {target}\n{'':<24}draft  {draft}")
+    return 0
+
+
+def run_train(args) -> int:
+    from .train import DistilConfig, TrainConfig, distil
+
+    setup = DistilConfig(
+        layers=args.layers, taps=tuple(args.taps) if args.taps else None, block_size=args.block_size,
+        markov_rank=args.markov_rank, max_new_tokens=args.max_new_tokens, n_prompts=args.n_prompts,
+        held_out=args.held_out,
+    )
+    config = TrainConfig(steps=args.steps, learning_rate=args.lr, sequences_per_step=args.batch,
+                         checkpoint_every=args.checkpoint_every)
+    distil(args.model, args.prompts, args.out, setup, config, resume=args.resume,
+           log=lambda line: print(line, file=sys.stderr, flush=True))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dspark", description="DSpark self-speculative decoding on MLX")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    gen = commands.add_parser("generate", help="generate text with speculative decoding")
+    gen.add_argument("text", nargs="?", help="prompt text (same as --prompt)")
+    add_model_arguments(gen)
+    source = gen.add_mutually_exclusive_group()
+    source.add_argument("--prompt", action="append", help="prompt text (the chat template is applied when the "
+                        "tokenizer has one); repeat for a batch")
+    source.add_argument("--prompt-tokens", type=parse_token_list, action="append",
+                        help="prompt token ids, e.g. 1,2,3 (no template); repeat for a batch")
+    add_chat_arguments(gen)
+    gen.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    gen.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: off)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set of mass p (1: off)")
+    gen.add_argument("--seed", type=int, default=0, help="random seed of the sampler")
+    gen.add_argument("--verify", type=parse_verify, help="verify width N (anchor + N-1 drafts) or 'auto' "
+                     "(chosen each round from the draft confidences); default: the whole block")
+    gen.add_argument("--confidence-threshold", type=float, default=0.0,
+                     help="end each proposal at the first draft slot with a lower confidence (0: off)")
+    gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text "
+                     '(several prompts: {"batch": [one object per prompt]})')
+    gen.add_argument("--compare", action="store_true", help="also run the target alone and print the speedup")
+    gen.set_defaults(run=run_generate)
+
+    for name, run, about in (("bench", run_bench, "target alone vs dspark, side by side"),
+                             ("eval", run_eval, "acceptance statistics on an evaluation set (spec §9)")):
+        sub = commands.add_parser(name, help=about)
+        add_model_arguments(sub)
+        add_chat_arguments(sub)
+        sub.add_argument("--dataset", default="gsm8k", help="gsm8k, humaneval, math500, mbpp, mt-bench or a .jsonl path")
+        sub.add_argument("--n", type=int, default=10, help="number of prompts")
+        sub.add_argument("--json", action="store_true", help="print one JSON object")
+        if name == "bench":
+            sub.add_argument("--repeats", type=int, default=3, help="timed repetitions (medians are reported)")
+        sub.set_defaults(run=run, no_think=True)
+
+    from .train import DEFAULT_PROMPTS
+
+    fit = commands.add_parser("train", help="distil a DSpark draft for a target from its own answers")
+    fit.add_argument("--model", help="target directory or .gguf file; default: the embedded SmolLM2-135M-Instruct")
+    fit.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="training prompts .jsonl (default: the bundled set)")
+    fit.add_argument("--out", required=True, help="output directory: draft checkpoint, optimizer state, corpus")
+    fit.add_argument("--layers", type=int, default=1, help="draft layers")
+    fit.add_argument("--taps", type=int, nargs="+", help="tapped target layers (default: 3 spread from layer 1)")
+    fit.add_argument("--block-size", type=int, default=5, help="draft block size")
+    fit.add_argument("--markov-rank", type=int, default=32, help="Markov head rank (0: none)")
+    fit.add_argument("--steps", type=int, default=1000, help="optimizer steps")
+    fit.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (4%% warmup, cosine decay)")
+    fit.add_argument("--batch", type=int, default=8, help="sequences per step (16 anchor blocks each)")
+    fit.add_argument("--checkpoint-every", type=int, default=250, help="steps between checkpoints and tau checks")
+    fit.add_argument("--max-new-tokens", type=int, default=160, help="answer length the target writes per prompt")
+    fit.add_argument("--n-prompts", type=int, help="training prompts to use (default: all)")
+    fit.add_argument("--held-out", type=int, default=8, help="last prompts of the file kept for the tau check")
+    fit.add_argument("--resume", action="store_true", help="continue the checkpoint in --out")
+    fit.set_defaults(run=run_train)
+
+    models = commands.add_parser("models", help="list the model aliases")
+    models.set_defaults(run=run_models)
+    return parser
+
+
+def main(argv=None) -> int:
+    if argv is None:
+        reexec_with_openblas()
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except (ValueError, FileNotFoundError, RuntimeError) as error:
+        print(f"dspark: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\ndspark: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

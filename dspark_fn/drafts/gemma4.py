@@ -1,0 +1,131 @@
+"""The gemma4 DSpark draft (DeepSpec ``Gemma4DSparkModel``).
+
+Same scheme as the qwen3 draft (projected target taps give every layer its
+context keys/values; the block attends to them and bidirectionally to
+itself), built from gemma4 layers with the geometry of the target's
+full-attention layers: ``global_head_dim`` heads, K=V without ``v_proj`` when
+``attention_k_eq_v``, partial RoPE, scale 1, sandwich norms and
+``layer_scalar``. Base logits are softcapped before the Markov bias.
+"""
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from .. import ops
+from ..cache import block_mask, kv_buffers, positions_from, write_rows
+from ..targets.gemma4 import (
+    ATTENTION_SCALE,
+    AttentionGeometry,
+    attention_geometry,
+    finish_layer,
+    keys_values,
+    queries,
+    reject_unsupported,
+    scaled_embedding,
+)
+from .base import DraftArch, DSparkFields, dspark_fields
+from .heads import head_shapes
+
+
+@dataclass(frozen=True)
+class Gemma4DraftSpec(DSparkFields):
+    num_layers: int
+    num_heads: int
+    attention: AttentionGeometry
+    intermediate_size: int
+    eps: float
+    activation: str
+    softcap: float | None
+
+
+def spec_from_config(config: dict) -> Gemma4DraftSpec:
+    reject_unsupported(config, "draft", per_layer_inputs=False)
+    # Draft layers all use the target's full-attention parameters; the
+    # top-level rope keys some draft configs carry are not read.
+    return Gemma4DraftSpec(
+        **dspark_fields(config),
+        num_layers=config["num_hidden_layers"],
+        num_heads=config["num_attention_heads"],
+        attention=attention_geometry(config, "full_attention"),
+        intermediate_size=config["intermediate_size"],
+        eps=config.get("rms_norm_eps", 1e-6),
+        activation=config.get("hidden_activation", "gelu_pytorch_tanh"),
+        softcap=config.get("final_logit_softcapping"),
+    )
+
+
+def checkpoint_shapes(spec: Gemma4DraftSpec) -> dict:
+    d, inter = spec.hidden_size, spec.intermediate_size
+    hd, kv_width = spec.attention.head_dim, spec.attention.num_kv_heads * spec.attention.head_dim
+    shapes = {
+        "embed_tokens.weight": (spec.vocab_size, d),
+        "lm_head.weight": (spec.vocab_size, d),
+        "norm.weight": (d,),
+        "hidden_norm.weight": (d,),
+        "fc.weight": (d, len(spec.target_layer_ids) * d),
+    }
+    for i in range(spec.num_layers):
+        layer = f"layers.{i}."
+        shapes |= {
+            layer + "self_attn.q_proj.weight": (spec.num_heads * hd, d),
+            layer + "self_attn.k_proj.weight": (kv_width, d),
+            layer + "self_attn.o_proj.weight": (d, spec.num_heads * hd),
+            layer + "self_attn.q_norm.weight": (hd,),
+            layer + "self_attn.k_norm.weight": (hd,),
+            layer + "mlp.gate_proj.weight": (inter, d),
+            layer + "mlp.up_proj.weight": (inter, d),
+            layer + "mlp.down_proj.weight": (d, inter),
+            layer + "input_layernorm.weight": (d,),
+            layer + "post_attention_layernorm.weight": (d,),
+            layer + "pre_feedforward_layernorm.weight": (d,),
+            layer + "post_feedforward_layernorm.weight": (d,),
+            layer + "layer_scalar": (1,),
+        }
+        if not spec.attention.k_eq_v:
+            shapes[layer + "self_attn.v_proj.weight"] = (kv_width, d)
+    return shapes | head_shapes(spec)
+
+
+def key_map(key: str) -> str:
+    return key
+
+
+def init_context(spec: Gemma4DraftSpec, batch: int, capacity: int) -> list:
+    geometry = spec.attention
+    return [
+        kv_buffers(batch, geometry.num_kv_heads, capacity, geometry.head_dim)
+        for _ in range(spec.num_layers)
+    ]
+
+
+def extend_context(spec: Gemma4DraftSpec, params: dict, state: list, features, start) -> list:
+    context = ops.rms_norm(ops.linear(params["fc"], features), params["hidden_norm"]["weight"], spec.eps)
+    positions = positions_from(start, features.shape[1])
+    new_state = []
+    for layer, (keys, values) in zip(params["layers"], state):
+        k, v = keys_values(spec.attention, layer["self_attn"], context, positions, spec.eps)
+        new_state.append((write_rows(keys, k, start), write_rows(values, v, start)))
+    return new_state
+
+
+def block_forward(spec: Gemma4DraftSpec, params: dict, state: list, length, block_ids):
+    width = block_ids.shape[1]
+    capacity = state[0][0].shape[2]
+    positions = positions_from(length, width)
+    mask = block_mask(length, capacity, width)
+    h = scaled_embedding(params["embed_tokens"], block_ids, spec.hidden_size)
+    for layer, (keys, values) in zip(params["layers"], state):
+        attn = layer["self_attn"]
+        x = ops.rms_norm(h, layer["input_layernorm"]["weight"], spec.eps)
+        q = queries(spec.attention, attn, x, spec.num_heads, positions, spec.eps)
+        block_keys, block_values = keys_values(spec.attention, attn, x, positions, spec.eps)
+        all_keys = mx.concatenate([keys, block_keys], axis=2)
+        all_values = mx.concatenate([values, block_values], axis=2)
+        attended = ops.attention(q, all_keys, all_values, mask, ATTENTION_SCALE)
+        h = finish_layer(layer, h, attended, spec.eps, spec.activation)
+    hidden = ops.rms_norm(h, params["norm"]["weight"], spec.eps)
+    return ops.softcap(ops.linear(params["lm_head"], hidden), spec.softcap), hidden
+
+
+ARCH = DraftArch(spec_from_config, checkpoint_shapes, key_map, init_context, extend_context, block_forward)

@@ -1,0 +1,130 @@
+"""Batched speculation: rows of different lengths decode side by side, each as if alone."""
+
+import json
+import subprocess
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import dspark_fn
+from dspark_fn import CostCurve, Sampling
+from helpers import (
+    build_draft,
+    build_target,
+    draft_config,
+    mlx_lm_greedy,
+    random_prompt,
+    speculative_tokens,
+    target_config,
+)
+
+CONFIG = target_config("qwen3", vocab=128, hidden=32, layers=3, heads=2, kv_heads=1, head_dim=16)
+NEW_TOKENS = 40
+LENGTHS = (1, 13, 70, 6)
+
+
+@pytest.fixture(scope="module")
+def pair_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("batch")
+    model = build_target(root / "target", CONFIG, seed=7)
+    build_draft(root / "draft", draft_config(CONFIG, layers=1, taps=(0, 1), block_size=4), seed=2)
+    return root, model
+
+
+@pytest.fixture(scope="module")
+def pair(pair_dir):
+    root, model = pair_dir
+    return model, dspark_fn.load(root / "target", root / "draft")
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(3)
+    return [random_prompt(rng, length, CONFIG["vocab_size"]) for length in LENGTHS]
+
+
+def rows_of(events, batch):
+    streams = [[] for _ in range(batch)]
+    for event in events:
+        streams[event.row] += event.emitted
+    return streams
+
+
+@pytest.mark.parametrize("width", [None, 2, "auto"])
+def test_batched_greedy_rows_equal_their_single_runs(pair, prompts, width):
+    model, params = pair
+    costs = CostCurve(0.1, {1: 1.0, 2: 1.1, 3: 1.15, 4: 1.2, 5: 1.3})
+    batched = rows_of(dspark_fn.generate(params, prompts, NEW_TOKENS, width=width, costs=costs), len(prompts))
+    for prompt, row in zip(prompts, batched):
+        assert row == speculative_tokens(params, prompt, NEW_TOKENS, width=width, costs=costs)
+        assert row == mlx_lm_greedy(model, prompt, NEW_TOKENS)
+
+
+def test_finished_rows_stop_while_the_others_go_on(pair, prompts):
+    _, params = pair
+    alone = [speculative_tokens(params, p, NEW_TOKENS) for p in prompts]
+    # a stop token that row 0 emits early and the other rows never emit
+    stop = next(t for t in alone[0][1:] if all(t not in row for row in alone[1:]))
+    events = list(dspark_fn.generate(params, prompts, NEW_TOKENS, stop_tokens=[stop]))
+    batched = rows_of(events, len(prompts))
+    assert batched[0] == alone[0][: alone[0].index(stop) + 1]
+    assert batched[1:] == alone[1:]
+    last_round_of_row_0 = max(i for i, e in enumerate(events) if e.row == 0)
+    assert any(e.row != 0 and e.kind == "round" for e in events[last_round_of_row_0 + 1 :])
+
+
+def test_speculate_keeps_per_row_lengths(pair, prompts):
+    _, params = pair
+    cache, tokens = dspark_fn.prefill(params, dspark_fn.init_cache(params, len(prompts), 256), prompts)
+    assert cache.length.tolist() == list(LENGTHS)
+    for _ in range(3):
+        before = np.array(cache.length)
+        cache, result = dspark_fn.speculate(params, cache, tokens)
+        tokens = result.next_tokens
+        assert (np.array(cache.length) == before + np.array(result.count)).all()
+        assert (np.array(result.count) == np.array(result.accepted) + 1).all()
+
+
+def test_idle_rows_commit_nothing(pair, prompts):
+    _, params = pair
+    cache, tokens = dspark_fn.prefill(params, dspark_fn.init_cache(params, len(prompts), 256), prompts)
+    active = mx.array([True, False, True, False])
+    cache, result = dspark_fn.speculate(params, cache, tokens, active=active)
+    assert cache.length.tolist()[1::2] == list(LENGTHS[1::2])
+    assert result.count.tolist()[1::2] == [0, 0]
+    assert result.next_tokens.tolist()[1::2] == tokens.tolist()[1::2]
+    assert (np.array(result.emitted)[1::2] == -1).all()
+
+
+def test_sampled_rows_are_independent(pair, prompts):
+    _, params = pair
+    sampling = Sampling(1.0)
+
+    def sample(batch_prompts):
+        events = dspark_fn.generate(params, batch_prompts, 20, width=3, sampling=sampling, seed=5)
+        return rows_of(events, len(batch_prompts))
+
+    # a row's draws do not depend on what the other rows hold
+    assert sample(prompts)[0] == sample([prompts[0]] + prompts[:0:-1])[0]
+    # identical prompts are not copies of one another
+    copies = sample([prompts[1]] * 4)
+    assert len({tuple(row) for row in copies}) == 4
+
+
+def test_cli_batch_json_rows_equal_the_library(pair_dir, pair, prompts, tmp_path, monkeypatch):
+    """``dspark generate`` with repeated --prompt-tokens prints {"batch": [...]};
+    sampled with --verify auto it reproduces the library run of the same seed."""
+    root, _ = pair_dir
+    _, params = pair
+    monkeypatch.setenv("DSPARK_FN_CACHE", str(tmp_path))
+    flags = [a for p in prompts[:2] for a in ("--prompt-tokens", ",".join(map(str, p)))]
+    options = ["--temp", "1.0", "--top-k", "5", "--seed", "3", "--verify", "auto"]
+    command = [sys.executable, "-m", "dspark_fn.cli", "generate", "--model", root / "target",
+               "--draft", root / "draft", "--max-tokens", "12", "--json", *flags, *options]
+    result = subprocess.run(list(map(str, command)), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    batch = json.loads(result.stdout)["batch"]
+    events = dspark_fn.generate(params, prompts[:2], 12, width="auto", sampling=Sampling(1.0, top_k=5), seed=3)
+    assert [row["tokens"] for row in batch] == rows_of(events, 2)

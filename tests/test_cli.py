@@ -1,0 +1,61 @@
+"""The ``dspark generate`` contract other tools rely on."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def dspark(*args, check=True):
+    result = subprocess.run(
+        [sys.executable, "-m", "dspark_fn.cli", *map(str, args)], capture_output=True, text=True, timeout=300
+    )
+    if check:
+        assert result.returncode == 0, result.stderr
+    return result
+
+
+@pytest.fixture(scope="module")
+def fixture(parity_dir):
+    root = parity_dir / "qwen3_tiny"
+    return root, json.loads((root / "trace.json").read_text())
+
+
+def test_generate_json_matches_reference(fixture):
+    root, meta = fixture
+    n = len(meta["output_tokens"])
+    prompt = ",".join(map(str, meta["prompt_ids"]))
+    result = dspark("generate", "--model", root / "target", "--draft", root / "draft",
+                    "--prompt-tokens", prompt, "--max-tokens", n, "--json")
+    out = json.loads(result.stdout)
+    assert out["tokens"] == meta["output_tokens"]
+    assert [r["drafted"] for r in out["rounds"]] == [r["draft_tokens"] for r in meta["rounds"]]
+    assert [r["accepted"] for r in out["rounds"]] == [r["accepted"] for r in meta["rounds"]]
+    assert [r["emitted"] for r in out["rounds"]] == [r["emitted"] for r in meta["rounds"]]
+    assert out["tau"] == pytest.approx((n - 1) / len(out["rounds"]))
+    assert out["tokens_per_s"] > 0
+
+
+def test_generate_streams_ids_without_tokenizer(fixture):
+    root, meta = fixture
+    result = dspark("generate", "--model", root / "target", "--draft", root / "draft",
+                    "--prompt-tokens", "1,2,3", "--max-tokens", 5)
+    assert len(result.stdout.split()) == 5
+    assert "tau" in result.stderr
+
+
+def test_text_prompt_without_tokenizer_is_a_clear_error(fixture):
+    root, _ = fixture
+    result = dspark("generate", "--model", root / "target", "--draft", root / "draft",
+                    "--prompt", "hello", check=False)
+    assert result.returncode != 0
+    assert "no tokenizer" in result.stderr and "--prompt-tokens" in result.stderr
+
+
+def test_bad_checkpoint_is_a_message_not_a_traceback(fixture, tmp_path):
+    root, _ = fixture
+    result = dspark("generate", "--model", root / "target", "--draft", tmp_path,
+                    "--prompt-tokens", "1", check=False)
+    assert result.returncode == 2
+    assert "has no config.json" in result.stderr and "Traceback" not in result.stderr

@@ -1,0 +1,288 @@
+"""The deepseek_v4 target adapter and DSpark draft against mlx-vlm, at tiny random dims.
+
+The draft checkpoint is written in the official ``mtp.{i}.*`` layout; mlx-vlm's
+drafter reads it through its own ``sanitize`` and ``dspark_fn`` through
+``load``, so the key map is checked along with the math. mlx-vlm keeps more
+context rows than the window once the context outgrows it, so parity rounds
+stay inside the window and the window rule itself is checked against
+mlx-vlm's drafter fed exactly the last ``sliding_window`` rows.
+"""
+
+import json
+from types import SimpleNamespace
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten, tree_unflatten
+
+import dspark_fn
+from dspark_fn import ops
+from dspark_fn.checkpoints import save_draft
+from dspark_fn.drafts import deepseek_v4 as draft_v4
+from dspark_fn.targets import deepseek_v4 as target_v4
+
+WINDOW = 24
+NOISE = 150
+TEXT = dict(
+    model_type="deepseek_v4",
+    vocab_size=160,
+    hidden_size=64,
+    moe_intermediate_size=32,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=1,
+    n_shared_experts=1,
+    n_routed_experts=8,
+    routed_scaling_factor=1.5,
+    q_lora_rank=32,
+    qk_rope_head_dim=8,
+    num_experts_per_tok=2,
+    norm_topk_prob=True,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    head_dim=32,
+    scoring_func="sqrtsoftplus",
+    compress_ratios=[0, 0, 0, 0],
+    hc_mult=4,
+    hc_sinkhorn_iters=20,
+    hc_eps=1e-6,
+    num_hash_layers=1,
+    swiglu_limit=10.0,
+    sliding_window=WINDOW,
+    o_groups=2,
+    o_lora_rank=16,
+    num_nextn_predict_layers=3,
+    max_position_embeddings=4096,
+)
+DSPARK = dict(
+    dspark_block_size=5,
+    dspark_markov_rank=16,
+    dspark_target_layer_ids=[1, 2, 3],
+    dspark_noise_token_id=NOISE,
+)
+TAPS = DSPARK["dspark_target_layer_ids"]
+TOL = 1e-4
+
+
+def random_tensor(name: str, shape, key) -> mx.array:
+    """Weights with every kind of tensor away from its neutral value."""
+    if name.endswith("tid2eid"):  # distinct experts per token
+        order = mx.argsort(mx.random.uniform(shape=(shape[0], TEXT["n_routed_experts"]), key=key), axis=-1)
+        return order[:, : shape[1]].astype(mx.int32)
+    if name.endswith("norm.weight"):
+        return 1 + 0.1 * mx.random.normal(shape, key=key)
+    if name.endswith("scale"):  # hyper-connection scales
+        return mx.random.uniform(0.5, 1.0, shape, key=key)
+    return 0.2 * mx.random.normal(shape, key=key)
+
+
+def randomised(shapes: dict, seed: int) -> dict:
+    keys = mx.random.split(mx.random.key(seed), len(shapes))
+    return {name: random_tensor(name, shape, k) for k, (name, shape) in zip(keys, sorted(shapes.items()))}
+
+
+def vlm_taps(target, tokens: list) -> mx.array:
+    """mlx-vlm's taps of every position, from one cached pass over ``tokens``."""
+    out = target(mx.array([tokens]), cache=target.make_cache(), capture_layer_ids=TAPS)
+    return mx.concatenate(out.hidden_states, axis=-1)
+
+
+def vlm_greedy(target, prompt: list, count: int) -> list:
+    """Greedy decoding of mlx-vlm's target through its own cache."""
+    cache = target.make_cache()
+    logits = target(mx.array([prompt]), cache=cache).logits
+    tokens = []
+    for _ in range(count):
+        tokens.append(int(mx.argmax(logits[0, -1])))
+        logits = target(mx.array([[tokens[-1]]]), cache=cache).logits
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    from mlx_vlm.models.deepseek_v4 import Model, ModelConfig
+    from mlx_vlm.speculative.drafters.deepseek_v4_dspark import Model as VlmDraft
+    from mlx_vlm.speculative.drafters.deepseek_v4_dspark import ModelConfig as VlmDraftConfig
+
+    root = tmp_path_factory.mktemp("deepseek_v4")
+    target = Model(ModelConfig.from_dict(TEXT))
+    shapes = {name: value.shape for name, value in tree_flatten(target.parameters())}
+    target.update(tree_unflatten(list(randomised(shapes, seed=1).items())))
+    target.eval()
+    (root / "target").mkdir()
+    (root / "target" / "config.json").write_text(json.dumps(TEXT))
+    mx.save_safetensors(str(root / "target" / "model.safetensors"), dict(tree_flatten(target.parameters())))
+
+    config = {**TEXT, **DSPARK}
+    spec = draft_v4.spec_from_config(config)
+    shared = ("embed_tokens.weight", "lm_head.weight")
+    checkpoint = randomised({k: v for k, v in draft_v4.checkpoint_shapes(spec).items() if k not in shared}, seed=2)
+    save_draft(root / "draft", config, checkpoint)
+
+    # mlx-vlm drops the dspark_* keys from text_config: they go top-level, block_size counting the anchor
+    vlm_config = dict(
+        model_type="deepseek_v4_dspark",
+        text_config=TEXT,
+        n_mtp_layers=TEXT["num_nextn_predict_layers"],
+        target_layer_ids=TAPS,
+        mask_token_id=NOISE,
+        markov_rank=DSPARK["dspark_markov_rank"],
+        block_size=DSPARK["dspark_block_size"] + 1,
+    )
+    vlm_draft = VlmDraft(VlmDraftConfig.from_dict(vlm_config))
+    vlm_draft.load_weights(list(vlm_draft.sanitize(checkpoint).items()), strict=True)
+    vlm_draft.eval()
+    vlm_draft.bind(target)
+    return SimpleNamespace(
+        root=root, target=target, vlm_draft=vlm_draft, checkpoint=checkpoint,
+        params=dspark_fn.load(root / "target", root / "draft"),
+    )
+
+
+def close(actual, expected, what, tol=TOL):
+    err = float(mx.abs(mx.array(actual) - mx.array(expected)).max())
+    assert err <= tol, f"{what}: max |diff| {err:.2e} > {tol}"
+
+
+def vlm_block(pair, anchor: int, taps: mx.array, cache):
+    """mlx-vlm's drafter on one round: pre-norm hc_head output, logits, greedy Markov drafts."""
+    draft = pair.vlm_draft
+    inputs = mx.array([[anchor] + [NOISE] * (DSPARK["dspark_block_size"] - 1)])
+    first, last = draft.stages[0], draft.stages[-1]
+    context = first.main_norm(first.main_proj(taps))
+    embedded = draft._input_embed(inputs)[:, :, None, :]
+    streams = mx.broadcast_to(embedded, (1, inputs.shape[1], TEXT["hc_mult"], TEXT["hidden_size"]))
+    for stage, stage_cache in zip(draft.stages, cache):
+        streams = stage(streams, context, stage_cache)
+    pre_norm = last.hc_head(streams)
+    logits = draft._logits(last.norm(pre_norm))
+    greedy = lambda x: mx.argmax(x, axis=-1)  # noqa: E731
+    drafted = draft.markov_head.sample_block(logits, first_prev_tokens=mx.array([anchor]), sampler=greedy)
+    return pre_norm, logits, drafted
+
+
+def check_round(pair, proposal, expected):
+    pre_norm, logits, drafted = expected
+    norm = pair.params.draft["stages"][-1]["norm"]["weight"]
+    close(proposal.hidden, pre_norm, "pre-norm hc_head output")
+    hidden = ops.rms_norm(proposal.hidden, norm, TEXT["rms_norm_eps"])
+    close(hidden, pair.vlm_draft.stages[-1].norm(pre_norm), "block hidden")
+    close(proposal.base_logits, logits, "base logits")
+    assert proposal.tokens.tolist() == drafted.tolist()
+
+
+def oracle_block(anchor: int, truth: list, keep: int) -> mx.array:
+    """``[anchor, truth[:keep], wrong...]``: a verify that accepts exactly ``keep`` drafts."""
+    wrong = [(t + 1) % NOISE for t in truth[keep : DSPARK["dspark_block_size"]]]
+    return mx.array([[anchor] + truth[:keep] + wrong], mx.int32)
+
+
+def run_rounds(pair, prompt, accepts, check):
+    """Prefill, then per round draft, ``check(proposal, anchor, committed)`` and
+    verify a block accepting ``accepts[r]`` drafts (None: the draft's own block)."""
+    params = pair.params
+    cache, tokens = dspark_fn.prefill(params, dspark_fn.init_cache(params, 1, 128), prompt)
+    committed = list(prompt)
+    for keep in accepts:
+        anchor = tokens.item()
+        proposal = dspark_fn.draft_block(params, cache, tokens)
+        check(proposal, anchor, committed)
+        if keep is None:
+            block = mx.concatenate([tokens[:, None], proposal.tokens], axis=1)
+        else:
+            truth = vlm_greedy(pair.target, committed + [anchor], DSPARK["dspark_block_size"])
+            block = oracle_block(anchor, truth, keep)
+        cache, result = dspark_fn.verify_block(params, cache, block)
+        assert keep is None or result.accepted.item() == keep
+        committed += block[0, : result.accepted.item() + 1].tolist()
+        tokens = result.next_tokens
+        assert cache.length.item() == len(committed)
+
+
+def test_target_logits_and_taps_match_mlx_vlm(pair):
+    params, tokens = pair.params, np.random.default_rng(0).integers(0, NOISE, 40).tolist()
+    spec = params.spec
+    expected = pair.target(mx.array([tokens]), cache=pair.target.make_cache(), capture_layer_ids=TAPS)
+    kv = spec.target_adapter.init_kv(spec.target, 1, 64)
+    hidden, features, _ = spec.target_adapter.forward(
+        spec.target, params.target, kv, mx.array([tokens]), mx.array([0]), spec.taps
+    )
+    # 40 tokens > window 24: the window mask is exercised
+    close(spec.target_adapter.logits(spec.target, params.target, hidden), expected.logits, "target logits")
+    close(features, mx.concatenate(expected.hidden_states, axis=-1), "target taps")
+
+
+def test_generate_equals_mlx_vlm_greedy(pair):
+    prompt = np.random.default_rng(1).integers(0, NOISE, 11).tolist()
+    tokens = [t for event in dspark_fn.generate(pair.params, prompt, 30) for t in event.emitted]
+    assert tokens == vlm_greedy(pair.target, prompt, 30)
+
+
+def test_draft_rounds_match_mlx_vlm_inside_the_window(pair):
+    """Hidden states, logits and drafted tokens over rounds that commit 1 to 6
+    rows, while the whole context fits the window (where both rules agree)."""
+    vlm_cache, fed = pair.vlm_draft.make_cache(), [0]
+
+    def check(proposal, anchor, committed):
+        assert len(committed) <= WINDOW
+        taps = vlm_taps(pair.target, committed)[:, fed[0] :]
+        fed[0] = len(committed)
+        check_round(pair, proposal, vlm_block(pair, anchor, taps, vlm_cache))
+
+    run_rounds(pair, np.random.default_rng(2).integers(0, NOISE, 8).tolist(), [None, 5, 2, None, 0], check)
+
+
+def test_draft_window_is_the_last_sliding_window_positions(pair):
+    """Past the window, a block sees exactly the last ``sliding_window``
+    committed rows: mlx-vlm's drafter fed only those rows (at their positions)
+    agrees, and its own rule, which keeps the whole prompt, does not."""
+    prompt = np.random.default_rng(3).integers(0, NOISE, 40).tolist()
+    differences = []
+
+    def check(proposal, anchor, committed):
+        taps = vlm_taps(pair.target, committed)
+        window_cache = pair.vlm_draft.make_cache()
+        for stage_cache in window_cache:
+            stage_cache.offset = len(committed) - WINDOW
+        check_round(pair, proposal, vlm_block(pair, anchor, taps[:, -WINDOW:], window_cache))
+        whole = vlm_block(pair, anchor, taps, pair.vlm_draft.make_cache())[1]
+        differences.append(float(mx.abs(proposal.base_logits - whole).max()))
+
+    run_rounds(pair, prompt, [3, None, 4], check)
+    assert min(differences) > 0.1  # the context outgrows the window from the first round
+
+
+def test_confidence_head_is_its_definition(pair):
+    """``c_k = proj([x_k ; markov_w1[x_{k-1}]])`` with no bias, ``x`` the
+    pre-norm hc_head output of mlx-vlm's drafter and ``x_{-1}`` the anchor."""
+    checkpoint = pair.checkpoint
+    w1 = checkpoint["mtp.2.markov_head.markov_w1.weight"]
+    proj = checkpoint["mtp.2.confidence_head.proj.weight"]
+    vlm_cache = pair.vlm_draft.make_cache()
+
+    def check(proposal, anchor, committed):
+        pre_norm, _, drafted = vlm_block(pair, anchor, vlm_taps(pair.target, committed), vlm_cache)
+        previous = mx.concatenate([mx.array([[anchor]]), drafted[:, :-1]], axis=1)
+        expected = (mx.concatenate([pre_norm, w1[previous]], axis=-1) @ proj.T)[..., 0]
+        close(proposal.confidence_logits, expected, "confidence logits")
+
+    run_rounds(pair, np.random.default_rng(4).integers(0, NOISE, 9).tolist(), [None], check)
+
+
+def test_checkpoint_keys_land_in_the_mlx_vlm_layout(pair):
+    """Heads at top level, experts stacked, ``wo_a`` split into groups: the
+    same tree mlx-vlm builds from the same checkpoint."""
+    ours = dict(tree_flatten(pair.params.draft))
+    theirs = dict(tree_flatten(pair.vlm_draft.parameters()))
+    assert set(ours) - set(theirs) == {"embed_tokens.weight", "lm_head.weight", "confidence_head.proj.weight"}
+    assert set(theirs) <= set(ours)
+    for name, value in theirs.items():
+        assert mx.array_equal(ours[name], value), name
+
+
+def test_unsupported_configs_are_rejected():
+    with pytest.raises(ValueError, match="compressed-attention layers"):
+        target_v4.spec_from_config({**TEXT, "compress_ratios": [0, 4, 128, 0]})
+    with pytest.raises(ValueError, match="not a DSpark checkpoint"):
+        draft_v4.spec_from_config(TEXT)

@@ -1,0 +1,168 @@
+"""Sampled speculation is distributed exactly as sampling the target alone.
+
+The distribution tests run 20,000 independent rows as one batch through the
+real driver (``generate``) and compare the first three emitted tokens (the
+prefill token and what the first rounds emit) with the exact distribution
+computed from the mlx-lm target's own logits. Chi-square over the outcomes
+with an expected count >= 5 (the rest pooled); a test fails when p < 1e-3,
+so a correct sampler fails a given run with probability 0.1%.
+"""
+
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import dspark_fn
+from dspark_fn import CostCurve, Sampling
+from dspark_fn.sampling import log_probs
+from helpers import build_bigram_draft, build_target, mlx_lm_greedy, speculative_tokens, target_config
+
+SAMPLES = 20_000
+PROMPT = [5, 9]
+P_VALUE_FLOOR = 1e-3
+CONFIG = target_config("qwen3", vocab=32, hidden=16, layers=2, heads=2, kv_heads=1, head_dim=8)
+DRAFT = dict(layers=1, taps=(0,), block_size=3)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sampling")
+    model = build_target(root / "target", CONFIG, seed=0, gain=3.0)
+    build_bigram_draft(root / "good", CONFIG, model, PROMPT, scale=1.0, **DRAFT)
+    build_bigram_draft(root / "bad", CONFIG, model, PROMPT, scale=-1.0, **DRAFT)
+    pairs = {name: dspark_fn.load(root / "target", root / name) for name in ("good", "bad")}
+    return model, pairs
+
+
+def softmax(z):
+    z = z - z.max(axis=-1, keepdims=True)
+    e = np.exp(z)
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def reference_probs(logits: np.ndarray, sampling: Sampling) -> np.ndarray:
+    """Temperature, then top-k, then top-p, written out in numpy."""
+    z = logits.astype(np.float64) / sampling.temperature
+    if sampling.top_k:
+        kth = np.sort(z, axis=-1)[..., -sampling.top_k, None]
+        z = np.where(z >= kth, z, -np.inf)
+    if sampling.top_p < 1:
+        p = softmax(z)
+        order = np.argsort(-p, axis=-1)
+        ranked = np.take_along_axis(p, order, axis=-1)
+        keep_ranked = np.cumsum(ranked, axis=-1) - ranked < sampling.top_p
+        keep = np.zeros_like(keep_ranked)
+        np.put_along_axis(keep, order, keep_ranked, axis=-1)
+        z = np.where(keep, z, -np.inf)
+    return softmax(z)
+
+
+def exact_first_three(model, sampling: Sampling) -> np.ndarray:
+    """``P[t1, t2, t3]`` of sampling the target alone after ``PROMPT``."""
+    vocab = CONFIG["vocab_size"]
+    t1, t2 = np.meshgrid(np.arange(vocab), np.arange(vocab), indexing="ij")
+    rows = np.concatenate([np.tile(PROMPT, (vocab * vocab, 1)), t1.reshape(-1, 1), t2.reshape(-1, 1)], axis=1)
+    logits = np.array(model(mx.array(rows))[:, len(PROMPT) - 1 :].astype(mx.float32))
+    p = reference_probs(logits, sampling)  # [V*V, 3, V]
+    first = p[0, 0]
+    second = p[::vocab, 1]  # rows with t2 = 0 carry p(t2 | t1) for every t1
+    third = p[:, 2].reshape(vocab, vocab, vocab)
+    return first[:, None, None] * second[:, :, None] * third
+
+
+def first_three_counts(params, sampling: Sampling, seed: int, **kwargs) -> np.ndarray:
+    vocab = CONFIG["vocab_size"]
+    streams = [[] for _ in range(SAMPLES)]
+    events = dspark_fn.generate(
+        params, [PROMPT] * SAMPLES, 3, sampling=sampling, seed=seed, capacity=12, **kwargs
+    )
+    for event in events:
+        streams[event.row] += event.emitted
+    outcomes = np.array(streams)
+    assert outcomes.shape == (SAMPLES, 3)
+    index = (outcomes[:, 0] * vocab + outcomes[:, 1]) * vocab + outcomes[:, 2]
+    return np.bincount(index, minlength=vocab**3)
+
+
+def chi_square_survival(statistic: float, dof: int) -> float:
+    """P(chi2_dof > statistic) by the Wilson-Hilferty cube-root normal
+    approximation (relative error under 5% at p = 1e-3 for dof >= 20)."""
+    z = ((statistic / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def chi_square_p_value(observed: np.ndarray, probs: np.ndarray) -> float:
+    """Bins: every outcome expected >= 5 times, plus one bin pooling the rest."""
+    expected = SAMPLES * probs.ravel()
+    order = np.argsort(-expected)
+    expected, observed = expected[order], observed[order]
+    large = expected >= 5
+    bins_e = np.append(expected[large], expected[~large].sum())
+    bins_o = np.append(observed[large], observed[~large].sum())
+    if bins_e[-1] < 5:  # too little left over to stand alone
+        bins_e, bins_o = np.append(bins_e[:-2], bins_e[-2:].sum()), np.append(bins_o[:-2], bins_o[-2:].sum())
+    statistic = ((bins_o - bins_e) ** 2 / bins_e).sum()
+    return chi_square_survival(statistic, len(bins_e) - 1)
+
+
+CASES = {
+    "good draft": ("good", Sampling(1.0), {}),
+    "bad draft": ("bad", Sampling(1.0), {}),
+    "top-k top-p": ("good", Sampling(0.8, top_k=6, top_p=0.9), {}),
+    # a cost curve under which Algorithm 1 picks intermediate widths
+    "auto width": ("good", Sampling(1.0), dict(width="auto", costs=CostCurve(0.5, {1: 1.0, 2: 1.1, 3: 1.2, 4: 1.5}))),
+    "confidence threshold": ("good", Sampling(1.0), dict(confidence_threshold=0.2)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_first_three_tokens_match_target_sampling(models, case):
+    model, pairs = models
+    draft, sampling, kwargs = CASES[case]
+    probs = exact_first_three(model, sampling)
+    counts = first_three_counts(pairs[draft], sampling, seed=len(case), **kwargs)
+    assert counts[probs.ravel() == 0].sum() == 0, "emitted a token the filters exclude"
+    p_value = chi_square_p_value(counts, probs)
+    assert p_value > P_VALUE_FLOOR, f"{case}: chi-square p = {p_value:.2e}"
+
+
+def test_transform_matches_reference():
+    logits = np.random.default_rng(0).normal(size=(64, 50)).astype(np.float32) * 3
+    for sampling in (Sampling(1.0), Sampling(0.7, top_k=5), Sampling(1.3, top_p=0.6), Sampling(0.9, 10, 0.75)):
+        ours = np.exp(np.array(log_probs(mx.array(logits), sampling)))
+        np.testing.assert_allclose(ours, reference_probs(logits, sampling), atol=1e-6)
+
+
+def test_top_p_keeps_the_most_likely_token():
+    logits = mx.array([[4.0, 1.0, 0.0]])
+    kept = np.exp(np.array(log_probs(logits, Sampling(1.0, top_p=0.01))))
+    np.testing.assert_allclose(kept, [[1.0, 0.0, 0.0]])
+
+
+def test_same_seed_same_tokens_and_seeds_differ(models):
+    _, pairs = models
+    runs = [speculative_tokens(pairs["good"], PROMPT, 40, sampling=Sampling(1.0), seed=s) for s in (1, 1, 2)]
+    assert runs[0] == runs[1]
+    assert runs[0] != runs[2]
+
+
+def test_temperature_zero_is_greedy(models):
+    model, pairs = models
+    greedy = Sampling(0.0, top_k=3, top_p=0.5)
+    assert speculative_tokens(pairs["bad"], PROMPT, 30, sampling=greedy) == mlx_lm_greedy(model, PROMPT, 30)
+
+
+def test_invalid_settings_are_refused(models):
+    _, pairs = models
+    with pytest.raises(ValueError, match="temperature"):
+        Sampling(-1.0)
+    with pytest.raises(ValueError, match="top_p"):
+        Sampling(1.0, top_p=0.0)
+    with pytest.raises(ValueError, match="top_k"):
+        Sampling(1.0, top_k=-2)
+    params = pairs["good"]
+    cache, tokens = dspark_fn.prefill(params, dspark_fn.init_cache(params, 1, 16), PROMPT)
+    with pytest.raises(ValueError, match="draft_log_probs"):
+        dspark_fn.verify_block(params, cache, mx.array([[tokens.item(), 3]]), sampling=Sampling(1.0))

@@ -1,0 +1,204 @@
+"""Confidence-scheduled verification: Algorithm 1, the threshold cut, cost curves, width buckets."""
+
+import json
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import dspark_fn
+from dspark_fn.schedule import (
+    CostCurve,
+    VerifyPolicy,
+    bucket_for,
+    cached_costs,
+    monotone,
+    scheduled_length,
+    threshold_lengths,
+    width_buckets,
+)
+from helpers import (
+    build_bigram_draft,
+    build_target,
+    damp_attention,
+    mlx_lm_greedy,
+    random_prompt,
+    speculative_tokens,
+    target_config,
+)
+
+speculate_module = sys.modules["dspark_fn.speculate"]  # the package re-exports a function of the same name
+
+CONFIG = target_config("qwen3", vocab=64, hidden=32, layers=3, heads=2, kv_heads=1, head_dim=16)
+BLOCK = 5
+BUCKETS = width_buckets(BLOCK)
+# widening is cheap up to 4 tokens; 6 pays only after confident drafts
+COSTS = CostCurve(0.2, {1: 1.0, 2: 1.05, 3: 1.1, 4: 1.15, 6: 1.35})
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("schedule")
+    model = damp_attention(root / "target", build_target(root / "target", CONFIG, seed=3, gain=2.0), 0.05)
+    build_bigram_draft(root / "draft", CONFIG, model, [1], layers=1, taps=(0, 1), block_size=BLOCK)
+    return model, dspark_fn.load(root / "target", root / "draft")
+
+
+def theta(survival_row, length, costs, buckets):
+    return (1 + survival_row[:length].sum()) / costs.round_cost(bucket_for(length + 1, buckets))
+
+
+def test_width_buckets_cover_the_block():
+    assert width_buckets(7) == (1, 2, 3, 4, 6, 8)
+    assert width_buckets(3) == (1, 2, 3, 4)
+    assert width_buckets(7, fixed=5) == (1, 2, 3, 4, 5, 6, 8)
+    assert bucket_for(5, width_buckets(7)) == 6
+
+
+def test_algorithm_1_stops_at_the_first_level_that_does_not_pay():
+    """A longer proposal would score higher, but reaching it means passing a
+    level that lowers Θ; the early stop (needed for losslessness) stays short."""
+    buckets = (1, 2, 3, 4)
+    costs = CostCurve(0.0, {1: 1.0, 2: 1.6, 3: 1.65, 4: 1.7})
+    survival = np.array([[0.5, 0.45, 0.42]])
+    thetas = [theta(survival[0], length, costs, buckets) for length in range(4)]
+    assert thetas[1] < thetas[0] < thetas[3]  # the global optimum is 3
+    assert scheduled_length(survival, costs, buckets) == 0
+
+
+def test_algorithm_1_goes_on_while_theta_improves():
+    buckets = (1, 2, 3, 4)
+    costs = CostCurve(0.0, {1: 1.0, 2: 1.1, 3: 1.2, 4: 2.0})
+    survival = np.array([[0.9, 0.8, 0.7], [0.8, 0.6, 0.5]])
+    # totals over rows: levels add 1.7, 1.4, 1.2 expected tokens
+    thetas = [(2 + [0, 1.7, 3.1, 4.3][k]) / costs.round_cost(k + 1) for k in range(4)]
+    assert thetas[0] < thetas[1] < thetas[2] > thetas[3]
+    assert scheduled_length(survival, costs, buckets) == 2
+
+
+def test_threshold_cuts_at_the_first_low_confidence():
+    confidences = np.array([[0.9, 0.2, 0.95], [0.1, 0.9, 0.9], [0.8, 0.8, 0.8]])
+    assert threshold_lengths(confidences, 0.5).tolist() == [1, 0, 3]
+
+
+def test_plan_uses_active_rows_only():
+    policy = VerifyPolicy(max_width=6, buckets=BUCKETS, threshold=0.5)
+    confidences = np.array([[0.9, 0.9, 0.1, 0.9, 0.9], [0.9] * 5])
+    width, limits = policy.plan(confidences, np.array([True, False]))
+    assert width == 3 and limits[0] == 2
+    width, _ = policy.plan(confidences, np.array([True, True]))
+    assert width == 6
+
+
+@pytest.mark.parametrize("threshold", [0.0, 0.6])
+def test_admitting_a_slot_never_depends_on_later_confidences(threshold):
+    """Losslessness (spec §7, Appendix A): whether row r verifies slot k may
+    depend on c_{r,1..k} (functions of the drafts before slot k) and on other
+    rows, never on c_{r,k+1..}, which depend on the draft at slot k."""
+    rng = np.random.default_rng(0)
+    policy = VerifyPolicy(max_width=BLOCK + 1, buckets=BUCKETS, threshold=threshold, costs=COSTS)
+    active = np.ones(3, bool)
+    for _ in range(300):
+        confidences = rng.uniform(0.3, 1.0, size=(3, BLOCK))
+        _, limits = policy.plan(confidences, active)
+        row, slot = rng.integers(3), rng.integers(1, BLOCK + 1)
+        changed = confidences.copy()
+        changed[row, slot:] = rng.uniform(0.0, 1.0, size=BLOCK - slot)
+        _, changed_limits = policy.plan(changed, active)
+        assert (limits[row] >= slot) == (changed_limits[row] >= slot)
+
+
+def test_costs_are_measured_once_and_cached(tmp_path):
+    calls = []
+
+    def measure():
+        calls.append(1)
+        return CostCurve(0.1, {1: 0.5, 2: 0.7})
+
+    path = tmp_path / "costs.json"
+    first = cached_costs("model|device|batch 1", measure, path)
+    again = cached_costs("model|device|batch 1", measure, path)
+    other = cached_costs("model|device|batch 2", measure, path)
+    assert first == again == other and len(calls) == 2
+    assert set(json.loads(path.read_text())) == {"model|device|batch 1", "model|device|batch 2"}
+
+
+def test_auto_measures_on_first_use_then_reuses(pair, tmp_path, monkeypatch):
+    _, params = pair
+    monkeypatch.setenv("DSPARK_FN_CACHE", str(tmp_path))
+    measured = []
+    real = speculate_module.measure_costs
+
+    def counting(*args, **kwargs):
+        measured.append(args[1:3])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(speculate_module, "measure_costs", counting)
+    prompt = [3, 4, 5]
+    runs = [speculative_tokens(params, prompt, 12, width="auto") for _ in range(2)]
+    assert runs[0] == runs[1]
+    assert len(measured) == 1
+    stored = json.loads((tmp_path / "verify_costs.json").read_text())
+    (curve,) = stored.values()
+    assert sorted(int(w) for w in curve["verify"]) == list(BUCKETS)
+    seconds = [curve["verify"][str(w)] for w in BUCKETS]
+    assert seconds == sorted(seconds)
+
+
+SCHEDULES = {
+    "auto": dict(width="auto"),
+    "threshold": dict(confidence_threshold=0.86),
+    "auto+threshold": dict(width="auto", confidence_threshold=0.8),
+}
+
+
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+def test_scheduled_greedy_is_token_identical(pair, schedule):
+    model, params = pair
+    prompt = random_prompt(np.random.default_rng(5), 11, CONFIG["vocab_size"])
+    events = list(dspark_fn.generate(params, prompt, 80, costs=COSTS, **SCHEDULES[schedule]))
+    assert [t for e in events for t in e.emitted] == mlx_lm_greedy(model, prompt, 80)
+    rounds = [e for e in events if e.kind == "round"]
+    assert len({e.width for e in rounds}) > 1, "the schedule should vary the width here"
+    assert all(len(e.drafted) < e.width for e in rounds)
+    assert any(e.accepted for e in rounds)
+
+
+def test_switching_widths_never_retraces(pair):
+    _, params = pair
+    cache, tokens = dspark_fn.prefill(params, dspark_fn.init_cache(params, 2, 256), [[1, 2, 3], [4, 5]])
+    schedule = [6, 1, 3, 2, 4, 6, 2, 1, 4, 3]
+    for width in BUCKETS:  # first use of every bucket compiles it
+        cache, result = dspark_fn.speculate(params, cache, tokens, width)
+        tokens = result.next_tokens
+    before = dict(dspark_fn.TRACE_COUNTS)
+    for width in schedule:
+        limit = np.random.default_rng(width).integers(0, width, size=2)
+        cache, result = dspark_fn.speculate(params, cache, tokens, width, limit=mx.array(limit, mx.int32))
+        tokens = result.next_tokens
+        assert (np.array(result.accepted) <= limit).all()
+    assert dict(dspark_fn.TRACE_COUNTS) == before
+
+
+def test_limit_caps_an_always_right_proposal(pair):
+    """Proposals equal to the target's own greedy stream: each row keeps
+    exactly ``limit`` of them and the output stays the greedy stream."""
+    model, params = pair
+    prompt, width = [3, 1, 4], BLOCK + 1
+    truth = mlx_lm_greedy(model, prompt, 60)
+    cache, tokens = dspark_fn.prefill(params, dspark_fn.init_cache(params, 1, 256), prompt)
+    out = tokens.tolist()
+    zeros = mx.zeros((1, width - 1))
+    for limit in [0, 3, 5, 1, 2, 5, 4]:
+        drafts = mx.array([truth[len(out) : len(out) + width - 1]])
+        proposal = dspark_fn.Proposal(drafts, None, zeros, None, None, zeros[..., None])
+        cache, result = dspark_fn.verify(params, cache, tokens, proposal, width, limit=mx.array([limit]))
+        assert result.accepted.item() == limit
+        out += result.emitted[0, : result.count.item()].tolist()
+        tokens = result.next_tokens
+    assert out == truth[: len(out)]
+
+
+def test_measured_curves_never_decrease_with_width():
+    assert monotone({1: 0.5, 2: 0.4, 3: 0.7, 4: 0.6}) == {1: 0.5, 2: 0.5, 3: 0.7, 4: 0.7}
