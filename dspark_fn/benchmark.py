@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from .speculate import generate
+from .speculate import capacity_for, generate, init_cache, prefill, propose, verify
 from .stats import Acceptance
 
 
@@ -49,6 +49,33 @@ def timed(fn, *args, **kwargs):
     return result, time.perf_counter() - start
 
 
+def evaluated(fn, *args):
+    out = fn(*args)
+    mx.eval(out)
+    return out
+
+
+def stage_seconds(params, prompt, max_new_tokens, stop) -> tuple[float, float, int]:
+    """Seconds spent drafting and verifying, and the number of rounds, timed
+    apart (a host sync between the stages, which ``generate`` does not pay)."""
+    width = params.spec.block_size + 1
+    capacity = capacity_for(len(prompt), max_new_tokens, width)
+    cache, tokens = prefill(params, init_cache(params, 1, capacity), [prompt])
+    drafting = verifying = 0.0
+    rounds, produced, token = 0, 1, tokens.item()
+    while produced < max_new_tokens and token not in stop:
+        proposal, seconds = timed(evaluated, propose, params, cache, tokens)
+        drafting += seconds
+        (cache, result), seconds = timed(evaluated, verify, params, cache, tokens, proposal, width)
+        verifying += seconds
+        rounds += 1
+        emitted = result.emitted[0, : result.count.item()].tolist()
+        produced, token, tokens = produced + len(emitted), emitted[-1], result.next_tokens
+        if stop & set(emitted):
+            break
+    return drafting, verifying, rounds
+
+
 @dataclass
 class BenchResult:
     baseline_tokens_per_s: list = field(default_factory=list)
@@ -56,6 +83,7 @@ class BenchResult:
     acceptance: Acceptance = field(default_factory=Acceptance)
     identical: bool = True
     prompts: int = 0
+    stages: list = field(default_factory=lambda: [0.0, 0.0, 0])
 
     def summary(self) -> dict:
         baseline = statistics.median(self.baseline_tokens_per_s) if self.baseline_tokens_per_s else 0.0
@@ -70,6 +98,8 @@ class BenchResult:
             "acceptance_rate": self.acceptance.acceptance_rate,
             "per_slot_acceptance": self.acceptance.per_slot,
             "identical": self.identical,
+            "draft_ms_per_round": 1e3 * self.stages[0] / max(self.stages[2], 1),
+            "verify_ms_per_round": 1e3 * self.stages[1] / max(self.stages[2], 1),
         }
 
 
@@ -94,4 +124,6 @@ def run_bench(params, model, prompts, max_new_tokens, stop, repeats=3, on_step=l
             on_step()
         result.baseline_tokens_per_s.append(counts["baseline"][0] / counts["baseline"][1])
         result.dspark_tokens_per_s.append(counts["dspark"][0] / counts["dspark"][1])
+    for prompt in prompts:
+        result.stages = [a + b for a, b in zip(result.stages, stage_seconds(params, prompt, max_new_tokens, stop))]
     return result

@@ -84,13 +84,16 @@ def stop_ids(tokenizer) -> list[int]:
 
 
 class TextStream:
-    """Prints generated text as tokens arrive (or ids when there is no tokenizer)."""
+    """Prints generated text as tokens arrive (or ids when there is no
+    tokenizer); stop tokens end the text rather than appear in it."""
 
-    def __init__(self, tokenizer, out=sys.stdout):
+    def __init__(self, tokenizer, stop=(), out=sys.stdout):
         self.detokenizer = tokenizer.detokenizer if tokenizer is not None else None
+        self.stop = set(stop) if tokenizer is not None else set()
         self.out = out
 
     def add(self, tokens: list[int]) -> None:
+        tokens = [t for t in tokens if t not in self.stop]
         if self.detokenizer is None:
             self.out.write("".join(f"{t} " for t in tokens))
         else:
@@ -106,6 +109,15 @@ class TextStream:
         self.out.write("\n")
 
 
+def warm_up(events) -> None:
+    """Run generation to its first verify round, so that timings that follow
+    leave out the one-off tracing and compilation."""
+    for event in events:
+        if event.kind == "round":
+            break
+    events.close()
+
+
 def run_generate(args) -> int:
     from .speculate import generate
 
@@ -114,9 +126,11 @@ def run_generate(args) -> int:
     if args.compare and len(prompts) > 1:
         raise SystemExit("dspark: --compare takes a single prompt")
     stop = stop_ids(tokenizer)
-    stream = TextStream(tokenizer) if not args.json and len(prompts) == 1 else None
+    stream = TextStream(tokenizer, stop) if not args.json and len(prompts) == 1 else None
     tokens, rounds = [[] for _ in prompts], [[] for _ in prompts]
     acceptance, overall = [Acceptance() for _ in prompts], Acceptance()
+    if args.compare:
+        warm_up(generate(params, prompts, args.max_tokens, stop_tokens=stop, **decoding_options(args)))
     start = time.perf_counter()
     try:
         for event in generate(params, prompts, args.max_tokens, stop_tokens=stop, **decoding_options(args)):
@@ -144,7 +158,7 @@ def run_generate(args) -> int:
     else:
         for index, row_tokens in enumerate(tokens):
             print(f"[prompt {index + 1}]")
-            batch_row = TextStream(tokenizer)
+            batch_row = TextStream(tokenizer, stop)
             batch_row.add(row_tokens)
             batch_row.close()
     produced = sum(len(t) for t in tokens)
@@ -157,6 +171,7 @@ def run_generate(args) -> int:
         from .benchmark import baseline_tokens, mlx_lm_model, timed
 
         target = mlx_lm_model(config, params.target)
+        baseline_tokens(target, prompts[0], 4, set(stop))
         baseline, seconds = timed(baseline_tokens, target, prompts[0], args.max_tokens, set(stop))
         alone = len(baseline) / seconds
         same = "identical tokens" if baseline == tokens[0] else "DIFFERENT tokens"

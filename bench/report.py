@@ -1,0 +1,106 @@
+"""Measurements for BENCHMARK.md, printed as markdown. Each section runs its
+comparisons side by side in one process.
+
+    python bench/report.py core        # compiled vs eager round; dspark vs mlx-lm greedy (parity fixture)
+    python bench/report.py default     # embedded SmolLM2 pair: tau per dataset, greedy and T=1; speedup
+    python bench/report.py quant       # tau of the default draft: float vs 8-bit vs 4-bit
+
+Environment: N (prompts per dataset, default 50), TOKENS (new tokens, default 128),
+SPEED_N (prompts for the speed comparison, default 10), REPEATS (default 3).
+"""
+
+import os
+import platform
+import sys
+import time
+
+import mlx.core as mx
+
+from workloads import dspark_generate, eager, fixture_pair, median_seconds, mlx_lm_generate
+
+from dspark_fn import Sampling
+from dspark_fn.benchmark import mlx_lm_model, run_bench
+from dspark_fn.evaluate import chat_tokens, first_turns, stop_tokens
+from dspark_fn.models import load_named
+from dspark_fn.quantize import quantize_draft
+from dspark_fn.speculate import generate
+from dspark_fn.stats import Acceptance
+
+N = int(os.environ.get("N", 50))
+TOKENS = int(os.environ.get("TOKENS", 128))
+SPEED_N = int(os.environ.get("SPEED_N", 10))
+REPEATS = int(os.environ.get("REPEATS", 3))
+BATCH = 10
+
+
+def machine() -> str:
+    blas = "OpenBLAS" if "openblas" in os.environ.get("LD_PRELOAD", "") else "default BLAS"
+    return f"{platform.machine()}, {os.cpu_count()} cores, mlx {mx.__version__} ({mx.default_device()}), {blas}"
+
+
+def core() -> None:
+    params, model, prompt = fixture_pair()
+    n = 128
+    runs = {
+        "dspark_fn compiled": lambda: dspark_generate(params, prompt, n),
+        "dspark_fn eager (mx.compile off)": lambda: eager(dspark_generate)(params, prompt, n),
+        "mlx-lm greedy generate_step": lambda: mlx_lm_generate(model, prompt, n),
+    }
+    for run in runs.values():
+        run()
+    print(f"qwen3_tiny parity fixture, {n} new tokens, median of {REPEATS * 3} runs ({machine()})\n")
+    print("| engine | ms | tokens/s |\n|---|---|---|")
+    for name, run in runs.items():
+        seconds = median_seconds(run, REPEATS * 3)
+        print(f"| {name} | {seconds * 1e3:.1f} | {n / seconds:.0f} |")
+
+
+def dataset_tau(params, tokenizer, dataset: str, sampling: Sampling) -> Acceptance:
+    """Tau over ``N`` prompts, run in batches (each row's rounds are its own)."""
+    prompts = [chat_tokens(tokenizer, text) for text in first_turns(dataset, N)]
+    acceptance = Acceptance()
+    for begin in range(0, len(prompts), BATCH):
+        batch = prompts[begin : begin + BATCH]
+        for event in generate(params, batch, TOKENS, stop_tokens=stop_tokens(tokenizer), sampling=sampling, seed=begin):
+            if event.kind == "round":
+                acceptance.add(len(event.emitted), event.accepted, len(event.drafted))
+    return acceptance
+
+
+def default() -> None:
+    params, tokenizer, config = load_named()
+    print(f"embedded default (SmolLM2-135M-Instruct + bundled draft), {N} prompts per dataset, "
+          f"{TOKENS} new tokens, chat template, thinking off ({machine()})\n")
+    print("| dataset | sampling | tau | acceptance | per-slot acceptance |\n|---|---|---|---|---|")
+    for dataset in ("gsm8k", "humaneval", "mt-bench"):
+        for label, sampling in (("greedy", Sampling()), ("T=1", Sampling(1.0))):
+            started = time.perf_counter()
+            a = dataset_tau(params, tokenizer, dataset, sampling)
+            slots = " ".join(f"{x:.2f}" for x in a.per_slot)
+            print(f"| {dataset} | {label} | {a.tau:.2f} | {a.acceptance_rate:.0%} | {slots} |", flush=True)
+            print(f"  ({time.perf_counter() - started:.0f} s)", file=sys.stderr)
+    print(f"\nSpeed, greedy, {SPEED_N} prompts per dataset, one prompt at a time, medians of {REPEATS} repeats:\n")
+    print("| dataset | mlx-lm greedy tokens/s | dspark_fn tokens/s | speedup | tau | identical |\n|---|---|---|---|---|---|")
+    model = mlx_lm_model(config, params.target)
+    for dataset in ("gsm8k", "humaneval", "mt-bench"):
+        prompts = [chat_tokens(tokenizer, text) for text in first_turns(dataset, SPEED_N)]
+        s = run_bench(params, model, prompts, TOKENS, stop_tokens(tokenizer), repeats=REPEATS).summary()
+        print(f"| {dataset} | {s['baseline_tokens_per_s']:.1f} | {s['dspark_tokens_per_s']:.1f} | "
+              f"{s['speedup']:.2f}x | {s['tau']:.2f} | {s['identical']} |", flush=True)
+
+
+def quant() -> None:
+    params, tokenizer, _ = load_named()
+    print(f"embedded default, gsm8k, {N} prompts, {TOKENS} new tokens, greedy ({machine()})\n")
+    print("| draft | tau | acceptance |\n|---|---|---|")
+    for label, bits in (("float32", None), ("8-bit", 8), ("4-bit", 4)):
+        variant = params if bits is None else params._replace(draft=quantize_draft(params.draft, bits))
+        a = dataset_tau(variant, tokenizer, "gsm8k", Sampling())
+        print(f"| {label} | {a.tau:.2f} | {a.acceptance_rate:.0%} |", flush=True)
+
+
+if __name__ == "__main__":
+    sections = {"core": core, "default": default, "quant": quant}
+    for name in sys.argv[1:] or sections:
+        sections[name]()
+        print()
