@@ -25,7 +25,7 @@ from ..targets.gemma4 import (
     scaled_embedding,
 )
 from .base import DraftArch, DSparkFields, dspark_fields
-from .heads import head_shapes
+from .heads import frame_shapes, head_shapes
 
 
 @dataclass(frozen=True)
@@ -58,13 +58,7 @@ def spec_from_config(config: dict) -> Gemma4DraftSpec:
 def checkpoint_shapes(spec: Gemma4DraftSpec) -> dict:
     d, inter = spec.hidden_size, spec.intermediate_size
     hd, kv_width = spec.attention.head_dim, spec.attention.num_kv_heads * spec.attention.head_dim
-    shapes = {
-        "embed_tokens.weight": (spec.vocab_size, d),
-        "lm_head.weight": (spec.vocab_size, d),
-        "norm.weight": (d,),
-        "hidden_norm.weight": (d,),
-        "fc.weight": (d, len(spec.target_layer_ids) * d),
-    }
+    shapes = frame_shapes(spec)
     for i in range(spec.num_layers):
         layer = f"layers.{i}."
         shapes |= {

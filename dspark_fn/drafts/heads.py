@@ -12,6 +12,19 @@ import mlx.core as mx
 from .base import DSparkFields
 
 
+def frame_shapes(spec: DSparkFields) -> dict:
+    """Tensors a DeepSpec-layout draft has around its layers: embedding and
+    output head (copies of the target's), final norm, and the tap projection."""
+    d = spec.hidden_size
+    return {
+        "embed_tokens.weight": (spec.vocab_size, d),
+        "lm_head.weight": (spec.vocab_size, d),
+        "norm.weight": (d,),
+        "hidden_norm.weight": (d,),
+        "fc.weight": (d, len(spec.target_layer_ids) * d),
+    }
+
+
 def head_shapes(spec: DSparkFields) -> dict:
     """Checkpoint tensors of the Markov and confidence heads."""
     shapes = {}

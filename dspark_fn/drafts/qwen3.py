@@ -14,7 +14,7 @@ from .. import ops
 from ..cache import block_mask, kv_buffers, positions_from, write_rows
 from ..targets.llama import rope_parameters
 from .base import DraftArch, DSparkFields, dspark_fields
-from .heads import head_shapes
+from .heads import frame_shapes, head_shapes
 
 
 @dataclass(frozen=True)
@@ -44,13 +44,7 @@ def spec_from_config(config: dict) -> Qwen3DraftSpec:
 
 def checkpoint_shapes(spec: Qwen3DraftSpec) -> dict:
     d, hd, inter = spec.hidden_size, spec.head_dim, spec.intermediate_size
-    shapes = {
-        "embed_tokens.weight": (spec.vocab_size, d),
-        "lm_head.weight": (spec.vocab_size, d),
-        "norm.weight": (d,),
-        "hidden_norm.weight": (d,),
-        "fc.weight": (d, len(spec.target_layer_ids) * d),
-    }
+    shapes = frame_shapes(spec)
     for i in range(spec.num_layers):
         layer = f"layers.{i}."
         shapes |= {

@@ -1,13 +1,20 @@
-"""Parity with the DeepSpec reference traces in ../shared/parity/qwen3_tiny."""
+"""Parity with the DeepSpec reference traces in ../shared/parity (qwen3 and gemma4 cases).
+
+gemma4_tiny mixes sliding and full-attention target layers with K=V full
+layers, a softcap and non-unit ``layer_scalar``s; its draft uses the target's
+full-attention geometry.
+"""
 
 import pytest
 
 from helpers import check_draft_context_cache, check_natural_generation, check_prefill, check_rounds, load_parity_case
 
+CASES = ["qwen3_tiny", "gemma4_tiny"]
 
-@pytest.fixture(scope="module")
-def case(parity_dir):
-    return load_parity_case(parity_dir / "qwen3_tiny")
+
+@pytest.fixture(scope="module", params=CASES)
+def case(request, parity_dir):
+    return load_parity_case(parity_dir / request.param)
 
 
 def test_prefill_matches_reference(case):
