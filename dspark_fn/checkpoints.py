@@ -55,6 +55,17 @@ def target_tensor(target_params: dict, target_spec, key: str) -> mx.array:
     return embedding
 
 
+def check_draft_family(draft_config: dict, target_spec) -> None:
+    """A draft that names its target family (DeepSpec writes ``target_model_type``
+    / ``target_text_model_type``) must be paired with that family."""
+    named = {draft_config.get(key) for key in ("target_model_type", "target_text_model_type")} - {None}
+    if named and target_spec.model_type not in named:
+        raise ValueError(
+            f"draft was trained for a {' / '.join(sorted(named))} target, "
+            f"not {target_spec.model_type!r}: pair it with its own target"
+        )
+
+
 def check_draft_fits(draft_spec, target_spec) -> None:
     """The draft's vocabulary, width and taps must match the target it serves."""
     problems = []
@@ -113,6 +124,7 @@ def load_draft(directory, target_spec, target_params: dict) -> tuple:
     config = read_config(directory, "draft")
     arch = resolve_arch(config)
     spec = arch.spec_from_config(config)
+    check_draft_family(config, target_spec)
     check_draft_fits(spec, target_spec)
     weights = read_safetensors(directory, "draft")
     # Half-precision checkpoints (bf16 releases, the fp16 default draft) run in

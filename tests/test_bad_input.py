@@ -122,3 +122,9 @@ def test_bad_verify_width(case):
     cache, tokens = dspark_fn.prefill(params, dspark_fn.init_cache(params, 1, 256), [1, 2, 3])
     with pytest.raises(ValueError, match=r"verify width 9 must be in 1..8"):
         dspark_fn.speculate(params, cache, tokens, width=9)
+
+
+def test_draft_family_mismatch(case):
+    edit_config(case / "draft", target_model_type="gemma4", target_text_model_type="gemma4_text")
+    with pytest.raises(ValueError, match=r"draft was trained for a gemma4 / gemma4_text target, not 'qwen3'"):
+        load(case)
