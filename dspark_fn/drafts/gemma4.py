@@ -25,7 +25,7 @@ from ..targets.gemma4 import (
     scaled_embedding,
 )
 from .base import DraftArch, DSparkFields, dspark_fields
-from .heads import frame_shapes, head_shapes
+from .heads import decoder_layer_shapes, frame_shapes, head_shapes
 
 
 @dataclass(frozen=True)
@@ -57,27 +57,18 @@ def spec_from_config(config: dict) -> Gemma4DraftSpec:
 
 def checkpoint_shapes(spec: Gemma4DraftSpec) -> dict:
     d, inter = spec.hidden_size, spec.intermediate_size
-    hd, kv_width = spec.attention.head_dim, spec.attention.num_kv_heads * spec.attention.head_dim
+    attention = spec.attention
     shapes = frame_shapes(spec)
     for i in range(spec.num_layers):
         layer = f"layers.{i}."
+        shapes |= decoder_layer_shapes(
+            layer, d, spec.num_heads, attention.num_kv_heads, attention.head_dim, inter, not attention.k_eq_v
+        )
         shapes |= {
-            layer + "self_attn.q_proj.weight": (spec.num_heads * hd, d),
-            layer + "self_attn.k_proj.weight": (kv_width, d),
-            layer + "self_attn.o_proj.weight": (d, spec.num_heads * hd),
-            layer + "self_attn.q_norm.weight": (hd,),
-            layer + "self_attn.k_norm.weight": (hd,),
-            layer + "mlp.gate_proj.weight": (inter, d),
-            layer + "mlp.up_proj.weight": (inter, d),
-            layer + "mlp.down_proj.weight": (d, inter),
-            layer + "input_layernorm.weight": (d,),
-            layer + "post_attention_layernorm.weight": (d,),
             layer + "pre_feedforward_layernorm.weight": (d,),
             layer + "post_feedforward_layernorm.weight": (d,),
             layer + "layer_scalar": (1,),
         }
-        if not spec.attention.k_eq_v:
-            shapes[layer + "self_attn.v_proj.weight"] = (kv_width, d)
     return shapes | head_shapes(spec)
 
 

@@ -25,6 +25,28 @@ def frame_shapes(spec: DSparkFields) -> dict:
     }
 
 
+def decoder_layer_shapes(
+    layer: str, d: int, heads: int, kv_heads: int, head_dim: int, intermediate: int, value_projection: bool = True
+) -> dict:
+    """One pre-norm decoder layer with per-head q/k norms and a GLU MLP, as
+    qwen3 and gemma4 drafts store it (gemma4 adds its sandwich norms)."""
+    shapes = {
+        layer + "self_attn.q_proj.weight": (heads * head_dim, d),
+        layer + "self_attn.k_proj.weight": (kv_heads * head_dim, d),
+        layer + "self_attn.o_proj.weight": (d, heads * head_dim),
+        layer + "self_attn.q_norm.weight": (head_dim,),
+        layer + "self_attn.k_norm.weight": (head_dim,),
+        layer + "mlp.gate_proj.weight": (intermediate, d),
+        layer + "mlp.up_proj.weight": (intermediate, d),
+        layer + "mlp.down_proj.weight": (d, intermediate),
+        layer + "input_layernorm.weight": (d,),
+        layer + "post_attention_layernorm.weight": (d,),
+    }
+    if value_projection:
+        shapes[layer + "self_attn.v_proj.weight"] = (kv_heads * head_dim, d)
+    return shapes
+
+
 def head_shapes(spec: DSparkFields) -> dict:
     """Checkpoint tensors of the Markov and confidence heads."""
     shapes = {}

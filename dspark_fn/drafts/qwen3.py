@@ -14,7 +14,7 @@ from .. import ops
 from ..cache import block_mask, kv_buffers, positions_from, write_rows
 from ..targets.llama import rope_parameters
 from .base import DraftArch, DSparkFields, dspark_fields
-from .heads import frame_shapes, head_shapes
+from .heads import decoder_layer_shapes, frame_shapes, head_shapes
 
 
 @dataclass(frozen=True)
@@ -43,23 +43,11 @@ def spec_from_config(config: dict) -> Qwen3DraftSpec:
 
 
 def checkpoint_shapes(spec: Qwen3DraftSpec) -> dict:
-    d, hd, inter = spec.hidden_size, spec.head_dim, spec.intermediate_size
     shapes = frame_shapes(spec)
     for i in range(spec.num_layers):
-        layer = f"layers.{i}."
-        shapes |= {
-            layer + "self_attn.q_proj.weight": (spec.num_heads * hd, d),
-            layer + "self_attn.k_proj.weight": (spec.num_kv_heads * hd, d),
-            layer + "self_attn.v_proj.weight": (spec.num_kv_heads * hd, d),
-            layer + "self_attn.o_proj.weight": (d, spec.num_heads * hd),
-            layer + "self_attn.q_norm.weight": (hd,),
-            layer + "self_attn.k_norm.weight": (hd,),
-            layer + "mlp.gate_proj.weight": (inter, d),
-            layer + "mlp.up_proj.weight": (inter, d),
-            layer + "mlp.down_proj.weight": (d, inter),
-            layer + "input_layernorm.weight": (d,),
-            layer + "post_attention_layernorm.weight": (d,),
-        }
+        shapes |= decoder_layer_shapes(
+            f"layers.{i}.", spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.intermediate_size
+        )
     return shapes | head_shapes(spec)
 
 
