@@ -9,10 +9,22 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map
 from safetensors.numpy import load_file
 
+from numerics import assert_fp32_close
+
 import dspark_fn
 from dspark_fn.checkpoints import save_draft
 from dspark_fn.drafts import resolve_arch
 from dspark_fn.drafts.init import random_draft_weights
+
+def missing_prerequisite(reason: str, module_level: bool = False) -> None:
+    """Skip a test whose fixture or package is absent on a developer's machine;
+    under CI (``CI`` set) fail instead, so a lost fixture cannot pass silently."""
+    import pytest
+
+    if os.environ.get("CI"):
+        pytest.fail(f"{reason} (CI requires it)", pytrace=False)
+    pytest.skip(reason, allow_module_level=module_level)
+
 
 PARITY = Path(os.environ.get("DSPARK_PARITY_DIR", Path(__file__).resolve().parents[2] / "shared" / "parity"))
 
@@ -150,14 +162,20 @@ def random_prompt(rng: np.random.Generator, length: int, vocab: int):
 
 # ---- parity replays against the DeepSpec reference traces (../shared/parity/<case>)
 
-PARITY_TOL = 1e-3
+PARITY_CAPACITY = 128
 
 
-def close(actual, expected, what, tol=PARITY_TOL):
-    actual = np.asarray(actual)
-    assert actual.shape == expected.shape, what
-    err = np.abs(actual - expected).max()
-    assert err <= tol, f"{what}: max |diff| {err:.2e} > {tol}"
+def parity_budget(params) -> dict:
+    """The fp32 error budget of a replay: every target and draft layer on the
+    path, sums as long as the widest projection or the attended context."""
+    target, draft = params.spec.target, params.spec.draft
+    widths = [target.hidden_size * len(draft.target_layer_ids), PARITY_CAPACITY]
+    widths += [getattr(spec, "intermediate_size", 0) for spec in (target, draft)]
+    return dict(layers=target.num_layers + getattr(draft, "num_layers", 0), reduction=max(widths))
+
+
+def close(actual, expected, what, budget: dict):
+    assert_fp32_close(actual, expected, what, **budget)
 
 
 def load_parity_case(root: Path):
@@ -172,15 +190,15 @@ def load_parity_case(root: Path):
 
 def check_prefill(params, tensors, meta):
     """Target logits and tapped features over the prompt, and the first token."""
-    spec = params.spec
+    spec, budget = params.spec, parity_budget(params)
     kv = spec.target_adapter.init_kv(spec.target, 1, 64)
     prompt = mx.array([meta["prompt_ids"]])
     hidden, features, _ = spec.target_adapter.forward(
         spec.target, params.target, kv, prompt, mx.array([0]), spec.taps
     )
-    close(spec.target_adapter.logits(spec.target, params.target, hidden)[0], tensors["prefill_logits"], "prefill logits")
-    close(features[0], tensors["prefill_features"], "prefill features")
-    cache, first = dspark_fn.prefill(params, dspark_fn.init_cache(params, 1, 128), meta["prompt_ids"])
+    close(spec.target_adapter.logits(spec.target, params.target, hidden)[0], tensors["prefill_logits"], "prefill logits", budget)
+    close(features[0], tensors["prefill_features"], "prefill features", budget)
+    cache, first = dspark_fn.prefill(params, dspark_fn.init_cache(params, 1, PARITY_CAPACITY), meta["prompt_ids"])
     assert first.tolist() == [meta["first_token"]]
     assert cache.length.tolist() == [meta["prompt_len"]]
 
@@ -188,17 +206,18 @@ def check_prefill(params, tensors, meta):
 def check_rounds(params, tensors, meta):
     """Replay the recorded verify inputs; every round's draft outputs and
     verify decisions must equal the reference."""
-    cache, tokens = dspark_fn.prefill(params, dspark_fn.init_cache(params, 1, 128), meta["prompt_ids"])
+    budget = parity_budget(params)
+    cache, tokens = dspark_fn.prefill(params, dspark_fn.init_cache(params, 1, PARITY_CAPACITY), meta["prompt_ids"])
     emitted = list(tokens.tolist())
     for r, recorded in enumerate(meta["rounds"]):
         assert tokens.tolist() == [recorded["anchor_token"]], f"round {r} anchor"
         assert cache.length.tolist() == [recorded["anchor_pos"]], f"round {r} position"
         proposal = dspark_fn.draft_block(params, cache, tokens)
-        close(proposal.hidden[0], tensors["block_hidden"][r], f"round {r} block hidden")
-        close(proposal.base_logits[0], tensors["base_logits"][r], f"round {r} base logits")
-        close(proposal.logits[0], tensors["corrected_logits"][r], f"round {r} corrected logits")
-        close(proposal.confidence_logits[0], tensors["confidence_logits"][r], f"round {r} confidence logits")
-        close(mx.sigmoid(proposal.confidence_logits[0]), tensors["confidences"][r], f"round {r} confidences")
+        close(proposal.hidden[0], tensors["block_hidden"][r], f"round {r} block hidden", budget)
+        close(proposal.base_logits[0], tensors["base_logits"][r], f"round {r} base logits", budget)
+        close(proposal.logits[0], tensors["corrected_logits"][r], f"round {r} corrected logits", budget)
+        close(proposal.confidence_logits[0], tensors["confidence_logits"][r], f"round {r} confidence logits", budget)
+        close(mx.sigmoid(proposal.confidence_logits[0]), tensors["confidences"][r], f"round {r} confidences", budget)
         assert proposal.tokens[0].tolist() == recorded["draft_tokens"], f"round {r} drafted tokens"
 
         block = mx.array([recorded["verify_input_ids"]], mx.int32)
@@ -225,7 +244,8 @@ def check_natural_generation(params, meta):
 
 def check_draft_context_cache(params, tensors, meta):
     """Draft context K/V before rounds 0 and 1 equal the reference cache (context rows only)."""
-    cache, _ = dspark_fn.prefill(params, dspark_fn.init_cache(params, 1, 128), meta["prompt_ids"])
+    budget = parity_budget(params)
+    cache, _ = dspark_fn.prefill(params, dspark_fn.init_cache(params, 1, PARITY_CAPACITY), meta["prompt_ids"])
     for r in range(2):
         block = mx.array([meta["rounds"][r]["verify_input_ids"]], mx.int32)
         expected_k, expected_v = tensors[f"debug.r{r}.cache_k"], tensors[f"debug.r{r}.cache_v"]
@@ -233,6 +253,6 @@ def check_draft_context_cache(params, tensors, meta):
         length = expected_k.shape[2]
         assert cache.length.item() == length
         for layer, (keys, values) in enumerate(cache.draft):
-            close(keys[0, :, :length], expected_k[layer], f"round {r} layer {layer} keys")
-            close(values[0, :, :length], expected_v[layer], f"round {r} layer {layer} values")
+            close(keys[0, :, :length], expected_k[layer], f"round {r} layer {layer} keys", budget)
+            close(values[0, :, :length], expected_v[layer], f"round {r} layer {layer} values", budget)
         cache, _ = dspark_fn.verify_block(params, cache, block)

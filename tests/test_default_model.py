@@ -7,13 +7,14 @@ import sys
 import pytest
 
 from dspark_fn.models import DEFAULT_DRAFT
+from helpers import missing_prerequisite
 
 try:
     from dspark_fn.gguf import find_smollm2_gguf
 
     find_smollm2_gguf()
 except FileNotFoundError as missing:
-    pytest.skip(str(missing), allow_module_level=True)
+    missing_prerequisite(str(missing), module_level=True)
 
 
 def dspark(*args):

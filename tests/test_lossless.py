@@ -7,6 +7,8 @@ import pytest
 import dspark_fn
 from helpers import build_draft, build_target, draft_config, mlx_lm_greedy, random_prompt, speculative_tokens, target_config
 
+pytestmark = pytest.mark.numerics  # rerun on the bundled BLAS by .ci/run
+
 NEW_TOKENS = 200
 
 SHAPES = {

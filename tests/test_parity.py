@@ -9,6 +9,8 @@ import pytest
 
 from helpers import check_draft_context_cache, check_natural_generation, check_prefill, check_rounds, load_parity_case
 
+pytestmark = pytest.mark.numerics  # rerun on the bundled BLAS by .ci/run
+
 CASES = ["qwen3_tiny", "gemma4_tiny"]
 
 
