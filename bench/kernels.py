@@ -14,7 +14,7 @@ import os
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from dspark_fn import speculate as engine
+from dspark_fn.speculate import capacity_for, init_cache, no_proposal, propose, verify
 from dspark_fn.benchmark import mlx_lm_model
 from dspark_fn.models import load_named
 from dspark_fn.schedule import fastest_seconds
@@ -39,16 +39,24 @@ def mlx_lm_step(model, context: int):
 
 
 def kernel_runs(params, context: int, widths) -> dict:
-    """Our kernels at ``context`` committed positions, in the capacity generate would pick."""
-    capacity = engine.capacity_for(context, 1, max(widths))
-    cache = engine.init_cache(params, 1, capacity)
-    cache = cache._replace(length=mx.array([context], mx.int32))
+    """Our kernels at ``context`` committed positions, in the capacity generate
+    would pick. Each verify threads the cache through as ``generate`` does
+    (the old buffers are dropped, so K/V writes happen in place), then
+    resets the length so every run sees the same context."""
+    capacity = capacity_for(context + max(widths))
+    state = {"cache": init_cache(params, 1, capacity)._replace(length=mx.array([context], mx.int32))}
     tokens = mx.zeros((1,), mx.int32)
-    proposal = engine.propose(params, cache, tokens)
-    runs = {"draft": lambda: engine.propose(params, cache, tokens)}
-    for width in widths:
-        source = proposal if width > 1 else engine.no_proposal(1)
-        runs[f"verify {width}"] = lambda width=width, source=source: engine.verify(params, cache, tokens, source, width)
+    proposal = propose(params, state["cache"], tokens)
+    mx.eval(proposal)
+
+    def verify_round(width):
+        source = proposal if width > 1 else no_proposal(1)
+        cache, result = verify(params, state.pop("cache"), tokens, source, width)
+        state["cache"] = cache._replace(length=mx.array([context], mx.int32))
+        return result, state["cache"]
+
+    runs = {"draft": lambda: propose(params, state["cache"], tokens)}
+    runs |= {f"verify {width}": lambda width=width: verify_round(width) for width in widths}
     return runs, capacity
 
 

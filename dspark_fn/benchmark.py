@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from .speculate import capacity_for, generate, init_cache, prefill, propose, verify
+from .speculate import capacity_for, generate, init_cache, prefill, prefill_slots, propose, verify
 from .stats import Acceptance
 
 
@@ -59,7 +59,7 @@ def stage_seconds(params, prompt, max_new_tokens, stop) -> tuple[float, float, i
     """Seconds spent drafting and verifying, and the number of rounds, timed
     apart (a host sync between the stages, which ``generate`` does not pay)."""
     width = params.spec.block_size + 1
-    capacity = capacity_for(len(prompt), max_new_tokens, width)
+    capacity = capacity_for(max(prefill_slots(len(prompt)), len(prompt) + max_new_tokens + width))
     cache, tokens = prefill(params, init_cache(params, 1, capacity), [prompt])
     drafting = verifying = 0.0
     rounds, produced, token = 0, 1, tokens.item()

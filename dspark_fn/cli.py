@@ -23,6 +23,14 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quant-draft", type=int, choices=(4, 8), help="quantize the draft's linear layers")
 
 
+def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--verify", type=parse_verify, default="auto",
+                        help="verify width N (anchor + N-1 drafts, every round) or 'auto' (default: draft only "
+                        "when measured acceptance and costs say it pays, then pick the width from the confidences)")
+    parser.add_argument("--confidence-threshold", type=float, default=0.0,
+                        help="end each proposal at the first draft slot with a lower confidence (0: off)")
+
+
 def add_chat_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--system", help="system message for the chat template")
     parser.add_argument("--no-think", action="store_true", help="turn thinking off (Qwen3 chat templates)")
@@ -65,16 +73,16 @@ def parse_verify(text: str):
         raise argparse.ArgumentTypeError(f"--verify wants a width (an integer) or 'auto', got {text!r}") from None
 
 
+def verify_options(args) -> dict:
+    """``generate`` keywords from the verification flags."""
+    return dict(width=args.verify, confidence_threshold=args.confidence_threshold)
+
+
 def decoding_options(args) -> dict:
     """``generate`` keywords from the sampling and verification flags."""
     from .sampling import Sampling
 
-    return dict(
-        sampling=Sampling(args.temp, args.top_k, args.top_p),
-        seed=args.seed,
-        width=args.verify,
-        confidence_threshold=args.confidence_threshold,
-    )
+    return dict(sampling=Sampling(args.temp, args.top_k, args.top_p), seed=args.seed, **verify_options(args))
 
 
 def stop_ids(tokenizer) -> list[int]:
@@ -119,7 +127,8 @@ def warm_up(events) -> None:
 
 
 def run_generate(args) -> int:
-    from .speculate import generate
+    from .speculate import TRACE_COUNTS, generate
+    from .stats import DecodeClock
 
     params, tokenizer, config = load(args)
     prompts = prompt_list(args, tokenizer)
@@ -131,9 +140,11 @@ def run_generate(args) -> int:
     acceptance, overall = [Acceptance() for _ in prompts], Acceptance()
     if args.compare:
         warm_up(generate(params, prompts, args.max_tokens, stop_tokens=stop, **decoding_options(args)))
+    clock = DecodeClock(lambda: sum(TRACE_COUNTS.values()))
     start = time.perf_counter()
     try:
-        for event in generate(params, prompts, args.max_tokens, stop_tokens=stop, **decoding_options(args)):
+        events = generate(params, prompts, args.max_tokens, stop_tokens=stop, **decoding_options(args))
+        for event in clock.watch(events):
             row = event.row
             tokens[row] += event.emitted
             if event.kind == "round":
@@ -145,9 +156,9 @@ def run_generate(args) -> int:
     except KeyboardInterrupt:
         print("\ndspark: interrupted", file=sys.stderr)
     elapsed = time.perf_counter() - start
-    per_second = 1 / elapsed if elapsed > 0 else 0.0
     reports = [
-        {"tokens": row_tokens, "rounds": row_rounds, "tau": stats.tau, "tokens_per_s": len(row_tokens) * per_second}
+        {"tokens": row_tokens, "rounds": row_rounds, "tau": stats.tau, "tokens_per_s": clock.tokens_per_s,
+         "seconds": elapsed}
         for row_tokens, row_rounds, stats in zip(tokens, rounds, acceptance)
     ]
     if args.json:
@@ -163,8 +174,8 @@ def run_generate(args) -> int:
             batch_row.close()
     produced = sum(len(t) for t in tokens)
     print(
-        f"[{produced} tokens, tau {overall.tau:.2f}, "
-        f"acceptance {overall.acceptance_rate:.0%}, {produced * per_second:.1f} tokens/s]",
+        f"[{produced} tokens in {elapsed:.1f} s, tau {overall.tau:.2f}, acceptance {overall.acceptance_rate:.0%}; "
+        f"decoding {clock.tokens_per_s:.1f} tokens/s once compiled]",
         file=sys.stderr,
     )
     if args.compare:
@@ -173,10 +184,12 @@ def run_generate(args) -> int:
         target = mlx_lm_model(config, params.target)
         baseline_tokens(target, prompts[0], 4, set(stop))
         baseline, seconds = timed(baseline_tokens, target, prompts[0], args.max_tokens, set(stop))
-        alone = len(baseline) / seconds
         same = "identical tokens" if baseline == tokens[0] else "DIFFERENT tokens"
-        speedup = produced * per_second / alone
-        print(f"[target alone (mlx-lm): {alone:.1f} tokens/s; speedup {speedup:.2f}x; {same}]", file=sys.stderr)
+        print(
+            f"[target alone (mlx-lm): {len(baseline) / seconds:.1f} tokens/s; dspark {produced / elapsed:.1f} "
+            f"tokens/s; speedup {produced / elapsed / (len(baseline) / seconds):.2f}x (whole runs, warm); {same}]",
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -202,7 +215,7 @@ def run_bench(args) -> int:
     bar = progress(len(prompts) * args.repeats, "bench")
     try:
         result = bench(params, mlx_lm_model(config, params.target), prompts, args.max_tokens,
-                       stop_ids(tokenizer), repeats=args.repeats, on_step=bar.update)
+                       stop_ids(tokenizer), repeats=args.repeats, on_step=bar.update, **verify_options(args))
     finally:
         bar.close()
     summary = result.summary()
@@ -228,7 +241,9 @@ def run_eval(args) -> int:
         bar.update()
         bar.set_postfix(tau=f"{acceptance.tau:.2f}")
 
-    acceptance, done, interrupted = run_prompts(params, prompts, args.max_tokens, stop_ids(tokenizer), on_prompt)
+    acceptance, done, interrupted = run_prompts(
+        params, prompts, args.max_tokens, stop_ids(tokenizer), on_prompt, **verify_options(args)
+    )
     bar.close()
     summary = {"dataset": args.dataset, "prompts": done, "interrupted": interrupted, **acceptance.summary()}
     if args.json:
@@ -282,10 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: off)")
     gen.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set of mass p (1: off)")
     gen.add_argument("--seed", type=int, default=0, help="random seed of the sampler")
-    gen.add_argument("--verify", type=parse_verify, help="verify width N (anchor + N-1 drafts) or 'auto' "
-                     "(chosen each round from the draft confidences); default: the whole block")
-    gen.add_argument("--confidence-threshold", type=float, default=0.0,
-                     help="end each proposal at the first draft slot with a lower confidence (0: off)")
+    add_verify_arguments(gen)
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text "
                      '(several prompts: {"batch": [one object per prompt]})')
     gen.add_argument("--compare", action="store_true", help="also run the target alone and print the speedup")
@@ -296,6 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
         sub = commands.add_parser(name, help=about)
         add_model_arguments(sub)
         add_chat_arguments(sub)
+        add_verify_arguments(sub)
         sub.add_argument("--dataset", default="gsm8k", help="gsm8k, humaneval, math500, mbpp, mt-bench or a .jsonl path")
         sub.add_argument("--n", type=int, default=10, help="number of prompts")
         sub.add_argument("--json", action="store_true", help="print one JSON object")

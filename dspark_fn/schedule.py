@@ -32,8 +32,23 @@ Where the decision sits: ``generate`` evaluates the verify of round r and
 the draft of round r + 1 together (one host sync per round), then plans
 round r + 1 from that draft's own confidences before launching its verify.
 So the width follows the current proposal (the paper's Algorithm 1), not a
-lagged one, at no extra sync. The round cost is ``draft + verify(width)``:
-the draft always runs before the decision.
+lagged one, at no extra sync. The round cost is ``draft + verify(width)``.
+
+Whether to draft at all (``DraftGate``, the "auto" policy): a round that
+does not draft costs one plain target step, ``verify(1)``, and still writes
+the draft's context, so drafting can resume at once. Before launching the
+draft of round r + 1 the gate compares, from what rounds up to r - 1 showed,
+
+    max_ℓ (1 + Σ_{k<=ℓ} Π_{i<=k} α_i) / (draft + verify(bucket(ℓ + 1)))   vs   1 / verify(1)
+
+where ``α_k`` is the measured rate at which slot k was accepted when slots
+< k were (an average over the first rounds, then an exponential moving
+average with weight ``ACCEPTANCE_EMA``), and the costs are the measured
+curve. Drafting that pays continues; otherwise the round is plain, and a
+probe round drafts again after 1, 2, 4, ... up to ``PROBE_LIMIT`` plain
+rounds, so a stretch of easy text is found at a bounded cost. The gate
+reads only finished rounds, never the tokens of the round it decides, so
+it changes the speed, not the output.
 """
 
 import hashlib
@@ -131,6 +146,70 @@ class VerifyPolicy:
             limits = np.minimum(limits, length)
         widest = int(limits[active].max()) if active.any() else 0
         return bucket_for(widest + 1, self.buckets), limits.astype(np.int32)
+
+    def gate(self) -> "DraftGate | None":
+        """A fresh gate for one generation under "auto"; ``None`` for fixed
+        widths, which draft every round (``max_width > 1``) or never."""
+        if self.costs is None or self.max_width == 1:
+            return None
+        return DraftGate.start(self.costs, self.buckets, self.max_width - 1)
+
+
+ACCEPTANCE_EMA = 0.2
+PROBE_LIMIT = 16
+
+
+@dataclass
+class DraftGate:
+    """Host-side memory of the "auto" policy: measured per-slot acceptance and
+    the probe schedule. ``draft_next`` decides the coming round;
+    ``observe`` learns from a finished drafted round."""
+
+    costs: CostCurve
+    buckets: tuple
+    acceptance: np.ndarray  # [G] alpha_k, measured
+    observed: np.ndarray  # [G] rounds that measured slot k
+    plain_rounds: int = 0
+    probe_interval: int = 1
+
+    @classmethod
+    def start(cls, costs: CostCurve, buckets: tuple, max_drafts: int) -> "DraftGate":
+        # Untried slots count as always accepted, so the first rounds draft and measure.
+        return cls(costs, buckets, np.ones(max_drafts), np.zeros(max_drafts))
+
+    def expected_speed(self) -> tuple[float, float]:
+        """``(drafting, plain)`` tokens per second predicted for the next round."""
+        emitted = 1 + np.cumsum(np.cumprod(self.acceptance))
+        drafting = max(
+            emitted[drafts - 1] / self.costs.round_cost(bucket_for(drafts + 1, self.buckets))
+            for drafts in range(1, len(emitted) + 1)
+        )
+        return drafting, 1 / self.costs.verify[bucket_for(1, self.buckets)]
+
+    def draft_next(self) -> bool:
+        drafting, plain = self.expected_speed()
+        if drafting > plain:
+            self.probe_interval = 1
+            return True
+        if self.plain_rounds >= self.probe_interval:
+            self.plain_rounds = 0
+            self.probe_interval = min(2 * self.probe_interval, PROBE_LIMIT)
+            return True
+        self.plain_rounds += 1
+        return False
+
+    def observe(self, accepted: np.ndarray, limits: np.ndarray) -> None:
+        """A drafted round: row r verified ``limits[r]`` drafts and kept
+        ``accepted[r]``; slot k was put to the test iff ``accepted >= k - 1``."""
+        for slot in range(len(self.acceptance)):
+            tested = (limits > slot) & (accepted >= slot)
+            count = int(tested.sum())
+            if not count:
+                continue
+            self.observed[slot] += count
+            weight = max(ACCEPTANCE_EMA, count / self.observed[slot])
+            rate = float((accepted[tested] > slot).mean())
+            self.acceptance[slot] += weight * (rate - self.acceptance[slot])
 
 
 def fastest_seconds(runs: dict, passes: int = 7) -> dict:

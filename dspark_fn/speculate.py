@@ -87,6 +87,29 @@ def init_cache(params: Params, batch_size: int, capacity: int, seed: int = 0) ->
     )
 
 
+def grow_cache(params: Params, cache: Cache, capacity: int) -> Cache:
+    """The same state in buffers of ``capacity`` slots (never smaller).
+
+    Attention reads whole buffers, so ``generate`` starts small and grows
+    the cache in ``capacity_for`` buckets as the context does: a round
+    costs what its live context costs, and each bucket compiles once.
+    """
+    if capacity <= cache.capacity:
+        return cache
+    fresh = init_cache(params, cache.batch_size, capacity)
+
+    def keep(larger: mx.array, state: mx.array) -> mx.array:
+        larger[:, :, : state.shape[2]] = state  # every buffer holds slots along axis 2
+        return larger
+
+    return Cache(
+        tree_map(keep, fresh.target, cache.target),
+        tree_map(keep, fresh.draft, cache.draft),
+        cache.length,
+        cache.rng,
+    )
+
+
 class RoundKeys(NamedTuple):
     following: mx.array  # the cache's key for the next round
     draft: mx.array
@@ -208,10 +231,6 @@ def no_proposal(batch_size: int) -> Proposal:
     return Proposal(empty.astype(mx.int32), None, empty, None, None, empty[..., None])
 
 
-def _proposal(params, cache, tokens, sampling, drafting: bool) -> Proposal:
-    return propose(params, cache, tokens, sampling) if drafting else no_proposal(tokens.shape[0])
-
-
 def verify(
     params: Params,
     cache: Cache,
@@ -257,7 +276,7 @@ def speculate(
     """
     width = params.spec.block_size + 1 if width is None else width
     _check_width(params.spec, width)
-    proposal = _proposal(params, cache, tokens, sampling, drafting=width > 1)
+    proposal = propose(params, cache, tokens, sampling) if width > 1 else no_proposal(tokens.shape[0])
     return verify(params, cache, tokens, proposal, width, sampling, limit, active)
 
 
@@ -377,10 +396,17 @@ class Event(NamedTuple):
     width: int = 0  # verify width of the round (shared by the batch)
 
 
-def capacity_for(prompt_length: int, max_new_tokens: int, width: int) -> int:
-    """Smallest capacity bucket that holds the prompt, the new tokens and one verify."""
-    need = max(prompt_length + max_new_tokens + width, math.ceil(prompt_length / PREFILL_CHUNK) * PREFILL_CHUNK)
-    return math.ceil(need / CAPACITY_BUCKET) * CAPACITY_BUCKET
+def capacity_for(slots: int) -> int:
+    """The capacity bucket holding ``slots`` positions: a multiple of a quarter
+    of the power of two below it (and of ``CAPACITY_BUCKET``), so buckets waste
+    at most a quarter of a buffer and a long generation visits few of them."""
+    step = max(CAPACITY_BUCKET, (1 << (max(slots, 1).bit_length() - 1)) // 4)
+    return math.ceil(slots / step) * step
+
+
+def prefill_slots(prompt_length: int) -> int:
+    """Slots a prefill writes: the prompt padded to whole chunks."""
+    return math.ceil(prompt_length / PREFILL_CHUNK) * PREFILL_CHUNK
 
 
 def _truncate(tokens: list, stop_tokens, budget: int) -> tuple[list, bool]:
@@ -391,12 +417,19 @@ def _truncate(tokens: list, stop_tokens, budget: int) -> tuple[list, bool]:
     return tokens[:budget], len(tokens) >= budget
 
 
-def measure_costs(params: Params, batch_size: int, capacity: int, widths, sampling: Sampling = GREEDY) -> CostCurve:
+COST_CAPACITY = 512  # cost curves are measured at this context (a typical chat turn)
+
+
+def measure_costs(params: Params, batch_size: int, widths, sampling: Sampling = GREEDY) -> CostCurve:
     """Time the draft kernel and the verify kernel of each width on this machine."""
-    cache = init_cache(params, batch_size, capacity)
+    cache = init_cache(params, batch_size, COST_CAPACITY)
+    cache = cache._replace(length=mx.full((batch_size,), COST_CAPACITY // 2, mx.int32))
     tokens = mx.zeros((batch_size,), mx.int32)
     proposal = propose(params, cache, tokens, sampling)
-    runs = {width: lambda width=width: verify(params, cache, tokens, proposal, width, sampling) for width in widths}
+    runs = {
+        width: lambda width=width: verify(params, cache, tokens, proposal if width > 1 else no_proposal(batch_size), width, sampling)
+        for width in widths
+    }
     seconds = fastest_seconds(runs | {"draft": lambda: propose(params, cache, tokens, sampling)})
     return CostCurve(seconds.pop("draft"), monotone(seconds))
 
@@ -412,14 +445,14 @@ def verify_policy(
     params: Params,
     width,
     batch_size: int,
-    capacity: int,
     sampling: Sampling = GREEDY,
     confidence_threshold: float = 0.0,
     costs: CostCurve | None = None,
 ) -> VerifyPolicy:
     """The policy for ``width`` = an int (fixed), None (the whole block) or
-    "auto" (Algorithm 1 over a cost curve: ``costs``, else measured on first
-    use and cached per model, device, batch size and capacity)."""
+    "auto" (draft only when it pays, then Algorithm 1 over a cost curve:
+    ``costs``, else measured on first use and cached per model, device,
+    batch size and sampling settings)."""
     spec = params.spec
     if not (width is None or width == "auto" or isinstance(width, int)):
         raise ValueError(f"verify width must be an integer, None or 'auto', got {width!r}")
@@ -428,16 +461,54 @@ def verify_policy(
     _check_width(spec, widest)
     buckets = width_buckets(spec.block_size, widest)
     if auto and costs is None:
-        key = cost_key(model_signature(params), batch_size, capacity, sampling)
-        costs = cached_costs(key, lambda: measure_costs(params, batch_size, capacity, buckets, sampling))
+        key = cost_key(model_signature(params), batch_size, COST_CAPACITY, sampling)
+        costs = cached_costs(key, lambda: measure_costs(params, batch_size, buckets, sampling))
     return VerifyPolicy(widest, buckets, confidence_threshold, costs if auto else None)
+
+
+def _initial_capacity(rows: list, max_new_tokens: int, widest: int, capacity: int | None) -> int:
+    """A fixed ``capacity`` must hold the whole generation; by default the
+    cache starts at the bucket of the prompt plus one round and grows."""
+    longest = max(len(r) for r in rows)
+    if capacity is None:
+        return capacity_for(max(prefill_slots(longest), longest + widest))
+    if longest + max_new_tokens + widest > capacity:
+        raise ValueError(
+            f"prompt of {longest} tokens + {max_new_tokens} new tokens + verify width "
+            f"{widest} exceeds the cache capacity {capacity}"
+        )
+    return capacity
+
+
+def _round_plan(policy: VerifyPolicy, proposal: Proposal | None, active: np.ndarray) -> tuple[int, np.ndarray]:
+    """Verify width and per-row proposal lengths; a round without a draft is a plain target step."""
+    if proposal is None:
+        return 1, np.zeros(len(active), np.int32)
+    confidences = 1 / (1 + np.exp(-np.array(proposal.confidence_logits)))
+    return policy.plan(confidences, active)
+
+
+def _row_events(result, limits, width, active, produced, done, stop_tokens, max_new_tokens) -> list:
+    """One ``Event`` per active row of a finished round; updates ``produced`` and ``done``."""
+    emitted, counts = result.emitted.tolist(), result.count.tolist()
+    accepted, drafted = result.accepted.tolist(), result.drafted.tolist()
+    confidences = result.confidences.tolist()
+    events = []
+    for row in np.flatnonzero(active).tolist():
+        kept, done[row] = _truncate(emitted[row][: counts[row]], stop_tokens, max_new_tokens - produced[row])
+        produced[row] += len(kept)
+        limit = int(limits[row])
+        events.append(
+            Event("round", kept, accepted[row], drafted[row][:limit], confidences[row][:limit], row, width)
+        )
+    return events
 
 
 def generate(
     params: Params,
     prompt,
     max_new_tokens: int,
-    width: int | str | None = None,
+    width: int | str | None = "auto",
     stop_tokens: Sequence[int] = (),
     capacity: int | None = None,
     sampling: Sampling = GREEDY,
@@ -448,11 +519,14 @@ def generate(
     """DSpark generation for one prompt or a batch of prompts (a list of
     token lists), one ``Event`` per row per step.
 
-    ``width``: int (fixed), None (block size + 1) or "auto"; with
-    ``confidence_threshold`` each row's proposal ends at its first slot with
-    a lower confidence. Greedy output equals greedy decoding of the target
-    alone, row by row; sampled output is distributed as sampling the target
-    alone. Rows that finish stop emitting while the others go on.
+    ``width``: "auto" (default: draft only when the measured acceptance and
+    costs say it pays, then Algorithm 1 picks the length), an int (fixed) or
+    None (block size + 1); with ``confidence_threshold`` each row's proposal
+    ends at its first slot with a lower confidence. Greedy output equals
+    greedy decoding of the target alone, row by row; sampled output is
+    distributed as sampling the target alone. Rows that finish stop
+    emitting while the others go on. ``capacity`` fixes the cache size;
+    by default the cache grows in ``capacity_for`` buckets with the context.
 
     One host synchronisation per round: the verify of round r and the draft
     of round r + 1 are evaluated together, so the host reads round r's
@@ -462,21 +536,21 @@ def generate(
     rows = _as_rows(prompt)
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be at least 1")
-    spec, batch = params.spec, len(rows)
-    longest = max(len(r) for r in rows)
-    widest = width if isinstance(width, int) else spec.block_size + 1
-    capacity = capacity or capacity_for(longest, max_new_tokens, widest)
-    if longest + max_new_tokens + widest > capacity:
-        raise ValueError(
-            f"prompt of {longest} tokens + {max_new_tokens} new tokens + verify width "
-            f"{widest} exceeds the cache capacity {capacity}"
-        )
-    policy = verify_policy(params, width, batch, capacity, sampling, confidence_threshold, costs)
+    batch = len(rows)
+    policy = verify_policy(params, width, batch, sampling, confidence_threshold, costs)
+    growing = capacity is None
+    capacity = _initial_capacity(rows, max_new_tokens, policy.max_width, capacity)
+    gate = policy.gate()
     stop_tokens = set(stop_tokens)
+
+    def next_proposal(cache, tokens):
+        drafting = policy.max_width > 1 and (gate is None or gate.draft_next())
+        return propose(params, cache, tokens, sampling) if drafting else None
+
     cache, tokens = prefill(params, init_cache(params, batch, capacity, seed), rows, sampling)
-    drafting = policy.max_width > 1
-    proposal = _proposal(params, cache, tokens, sampling, drafting)
+    proposal = next_proposal(cache, tokens)
     mx.eval(tokens, proposal)
+    committed = np.array([len(r) for r in rows])
     produced, done = [0] * batch, [False] * batch
     for row, token in enumerate(tokens.tolist()):
         emitted, done[row] = _truncate([token], stop_tokens, max_new_tokens)
@@ -484,21 +558,18 @@ def generate(
         yield Event("prefill", emitted, 0, [], [], row)
     while not all(done):
         active = ~np.array(done)
-        confidences = 1 / (1 + np.exp(-np.array(proposal.confidence_logits)))
-        round_width, limits = policy.plan(confidences, active)
+        round_width, limits = _round_plan(policy, proposal, active)
+        if growing:
+            cache = grow_cache(params, cache, capacity_for(int(committed[active].max()) + round_width))
+        drafted = proposal is not None
         cache, result = verify(
-            params, cache, tokens, proposal, round_width, sampling, mx.array(limits), mx.array(active)
+            params, cache, tokens, proposal if drafted else no_proposal(batch), round_width, sampling,
+            mx.array(limits), mx.array(active),
         )
         tokens = result.next_tokens
-        proposal = _proposal(params, cache, tokens, sampling, drafting)
+        proposal = next_proposal(cache, tokens)
         mx.eval(result, proposal)
-        emitted, counts = result.emitted.tolist(), result.count.tolist()
-        accepted, drafted = result.accepted.tolist(), result.drafted.tolist()
-        verified_confidences = result.confidences.tolist()
-        for row in np.flatnonzero(active).tolist():
-            kept, done[row] = _truncate(emitted[row][: counts[row]], stop_tokens, max_new_tokens - produced[row])
-            produced[row] += len(kept)
-            limit = int(limits[row])
-            yield Event(
-                "round", kept, accepted[row], drafted[row][:limit], verified_confidences[row][:limit], row, round_width
-            )
+        committed += np.array(result.count.tolist())
+        if drafted and gate is not None:
+            gate.observe(np.array(result.accepted.tolist())[active], limits[active])
+        yield from _row_events(result, limits, round_width, active, produced, done, stop_tokens, max_new_tokens)

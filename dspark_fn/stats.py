@@ -1,6 +1,8 @@
 """Acceptance statistics over the rounds of one or more generations (spec §9)."""
 
+import time
 from dataclasses import dataclass, field
+from typing import Callable, Iterable, Iterator
 
 
 @dataclass
@@ -55,3 +57,41 @@ class Acceptance:
             "verify_rate": self.verify_rate,
             "per_slot_acceptance": self.per_slot,
         }
+
+
+class DecodeClock:
+    """The steady decoding speed of a stream of ``generate`` events.
+
+    A round's work happens while its first event is produced (one host sync
+    a round); the prefill and every round in which a kernel was traced (the
+    one-off compilation) are left out, so the number is what a person
+    waiting on a warm model sees. ``trace_count`` reads the total traces.
+    """
+
+    def __init__(self, trace_count: Callable[[], int]):
+        self.trace_count = trace_count
+        self.tokens = 0
+        self.seconds = 0.0
+        self._counted = False
+        self._last_row = None
+
+    def watch(self, events: Iterable) -> Iterator:
+        iterator = iter(events)
+        while True:
+            traces, start = self.trace_count(), time.perf_counter()
+            try:
+                event = next(iterator)
+            except StopIteration:
+                return
+            spent = time.perf_counter() - start
+            if event.kind == "round":
+                if self._last_row is None or event.row <= self._last_row:  # rows come in order within a round
+                    self._counted = self.trace_count() == traces
+                    self.seconds += spent if self._counted else 0.0
+                self.tokens += len(event.emitted) if self._counted else 0
+                self._last_row = event.row
+            yield event
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0

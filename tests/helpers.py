@@ -235,7 +235,7 @@ def check_rounds(params, tensors, meta):
 
 def check_natural_generation(params, meta):
     """``generate`` reproduces the natural trace: output, drafts and acceptances."""
-    events = list(dspark_fn.generate(params, meta["prompt_ids"], len(meta["output_tokens"])))
+    events = list(dspark_fn.generate(params, meta["prompt_ids"], len(meta["output_tokens"]), width=None))
     assert [t for e in events for t in e.emitted] == meta["output_tokens"]
     rounds = [e for e in events if e.kind == "round"]
     assert [e.drafted for e in rounds] == [r["draft_tokens"] for r in meta["rounds"]]

@@ -27,7 +27,7 @@ def test_generate_json_matches_reference(fixture):
     n = len(meta["output_tokens"])
     prompt = ",".join(map(str, meta["prompt_ids"]))
     result = dspark("generate", "--model", root / "target", "--draft", root / "draft",
-                    "--prompt-tokens", prompt, "--max-tokens", n, "--json")
+                    "--prompt-tokens", prompt, "--max-tokens", n, "--verify", meta["block_size"] + 1, "--json")
     out = json.loads(result.stdout)
     assert out["tokens"] == meta["output_tokens"]
     assert [r["drafted"] for r in out["rounds"]] == [r["draft_tokens"] for r in meta["rounds"]]

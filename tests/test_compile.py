@@ -5,7 +5,11 @@ import pytest
 
 import dspark_fn
 from dspark_fn import TRACE_COUNTS
+from dspark_fn.schedule import CostCurve
+from dspark_fn.speculate import capacity_for
 from helpers import build_draft, build_target, draft_config, random_prompt, speculative_tokens, target_config
+
+BLOCK = 4
 
 
 @pytest.fixture(scope="module")
@@ -13,7 +17,7 @@ def params(tmp_path_factory):
     root = tmp_path_factory.mktemp("compile")
     config = target_config("qwen3", vocab=192, hidden=32, layers=4, heads=2, kv_heads=1, head_dim=16)
     build_target(root / "target", config, seed=7)
-    build_draft(root / "draft", draft_config(config, taps=(0, 2), block_size=4), seed=7)
+    build_draft(root / "draft", draft_config(config, taps=(0, 2), block_size=BLOCK), seed=7)
     return dspark_fn.load(root / "target", root / "draft")
 
 
@@ -23,21 +27,39 @@ def traces_during(fn):
     return {k: TRACE_COUNTS[k] - before[k] for k in TRACE_COUNTS if TRACE_COUNTS[k] != before[k]}
 
 
+def test_capacity_buckets():
+    """Multiples of 256, then of a quarter of the power of two below."""
+    expected = {1: 256, 256: 256, 257: 512, 700: 768, 1024: 1024, 1025: 1280, 2049: 2560, 4097: 5120}
+    assert {slots: capacity_for(slots) for slots in expected} == expected
+
+
 def test_long_generation_traces_each_kernel_once(params):
     rng = np.random.default_rng(0)
     prompt = random_prompt(rng, 21, 192)
     events = []
-    new = traces_during(lambda: events.extend(dspark_fn.generate(params, prompt, 200, capacity=512)))
+    new = traces_during(lambda: events.extend(dspark_fn.generate(params, prompt, 200, width=None, capacity=512)))
     assert sum(e.kind == "round" for e in events) > 20
     assert new == {"prefill": 1, "draft": 1, "verify": 1}
 
 
+def test_a_growing_cache_traces_once_per_bucket(params):
+    """Prompts of up to 21 tokens + 700 new ones pass the buckets 256, 512
+    and 768: three draft and three verify kernels, whatever the number of
+    rounds; other prompt lengths then trace nothing. (A batch of two, a shape
+    no other test here uses.)"""
+    rng = np.random.default_rng(3)
+    batch = lambda *lengths: [random_prompt(rng, n, 192) for n in lengths]  # noqa: E731
+    new = traces_during(lambda: speculative_tokens(params, batch(21, 9), 700, width=None))
+    assert new == {"prefill": 1, "draft": 3, "verify": 3}
+    assert traces_during(lambda: speculative_tokens(params, batch(5, 17), 700, width=None)) == {}
+
+
 def test_other_prompt_lengths_in_the_bucket_trace_nothing(params):
     rng = np.random.default_rng(1)
-    speculative_tokens(params, random_prompt(rng, 21, 192), 50, capacity=512)
+    speculative_tokens(params, random_prompt(rng, 21, 192), 50, width=None)
     for length in (3, 40, 64, 65, 130):
         prompt = random_prompt(rng, length, 192)
-        assert traces_during(lambda: speculative_tokens(params, prompt, 50, capacity=512)) == {}
+        assert traces_during(lambda: speculative_tokens(params, prompt, 50, width=None)) == {}
 
 
 def test_a_new_width_traces_one_new_verify_kernel(params):
@@ -45,3 +67,14 @@ def test_a_new_width_traces_one_new_verify_kernel(params):
     speculative_tokens(params, prompt, 20, capacity=512, width=2)
     assert traces_during(lambda: speculative_tokens(params, prompt, 20, capacity=512, width=2)) == {}
     assert traces_during(lambda: speculative_tokens(params, prompt, 20, capacity=512, width=3)) == {"verify": 1}
+
+
+def test_auto_traces_each_width_at_most_once(params):
+    """The auto policy switches among widths (and plain rounds) freely:
+    never more than one kernel per width, and a second run traces nothing."""
+    costs = CostCurve(0.1, {1: 1.0, 2: 1.05, 3: 1.1, 4: 1.15, 5: 1.2})
+    prompt = random_prompt(np.random.default_rng(4), 12, 192)
+    run = lambda: speculative_tokens(params, prompt, 150, capacity=512, costs=costs)  # noqa: E731
+    new = traces_during(run)
+    assert new.get("draft", 0) <= 1 and 1 <= new.get("verify", 0) <= BLOCK + 1
+    assert traces_during(run) == {}

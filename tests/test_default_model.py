@@ -48,7 +48,9 @@ def test_bench_json_compares_side_by_side():
 
 
 def test_eval_json_reports_acceptance():
-    out = json.loads(dspark("eval", "--dataset", "mt-bench", "--n", 2, "--max-tokens", 12, "--json").stdout)
+    """The reference protocol verifies the whole block every round."""
+    out = json.loads(dspark("eval", "--dataset", "mt-bench", "--n", 2, "--max-tokens", 12, "--verify", 6,
+                            "--json").stdout)
     assert out["prompts"] == 2 and out["rounds"] > 0
     assert 1 <= out["tau"] <= 6 and 0 < out["verify_rate"] <= 1
     assert len(out["per_slot_acceptance"]) == 5

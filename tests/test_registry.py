@@ -69,7 +69,7 @@ def test_toy_architecture_runs_end_to_end_lossless(toy_registered, tmp_path):
     params = dspark_fn.load(tmp_path / "target", tmp_path / "draft")
     assert params.spec.draft_arch is toy_registered
     prompt = random_prompt(np.random.default_rng(9), 11, 192)
-    events = list(dspark_fn.generate(params, prompt, 120))
+    events = list(dspark_fn.generate(params, prompt, 120, width=None))
     assert [t for e in events for t in e.emitted] == mlx_lm_greedy(model, prompt, 120)
     assert all(len(e.drafted) == 4 for e in events if e.kind == "round")
 
