@@ -9,13 +9,17 @@ contents do not change the cost); times are the fastest of several runs,
 taking turns so a burst of load elsewhere cannot skew one entry.
 """
 
+import dataclasses
 import os
+import time
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from dspark_fn.speculate import capacity_for, init_cache, no_proposal, propose, verify
+from dspark_fn.speculate import capacity_for, generate, init_cache, no_proposal, propose, verify
 from dspark_fn.benchmark import mlx_lm_model
+from dspark_fn.checkpoints import target_module
+from dspark_fn.drafts.heads import DRAFT_VOCAB_KEY
 from dspark_fn.models import load_named
 from dspark_fn.schedule import fastest_seconds
 
@@ -60,17 +64,63 @@ def kernel_runs(params, context: int, widths) -> dict:
     return runs, capacity
 
 
+def host_ms_per_round(params, context: int, rounds: int = 40) -> float:
+    """Driver time outside ``mx.eval`` (graph building, planning, events) per
+    round of ``generate`` at the default policy."""
+    import dspark_fn.speculate as driver
+
+    evaluate, inside = driver.mx.eval, [0.0]
+
+    def timed_eval(*args):
+        start = time.perf_counter()
+        evaluate(*args)
+        inside[0] += time.perf_counter() - start
+
+    prompt = [1] * context
+    list(generate(params, prompt, 8))  # compile outside the measurement
+    driver.mx.eval = timed_eval
+    try:
+        start = time.perf_counter()
+        count = sum(event.kind == "round" for event in generate(params, prompt, rounds))
+        total = time.perf_counter() - start
+    finally:
+        driver.mx.eval = evaluate
+    return 1e3 * (total - inside[0]) / count
+
+
+def full_vocabulary(params):
+    """The same draft proposing from the whole vocabulary (Markov rows outside
+    the subset zero), to time the draft head it replaces."""
+    spec = params.spec
+    ids = params.draft[DRAFT_VOCAB_KEY]
+    draft = {key: value for key, value in params.draft.items() if key != DRAFT_VOCAB_KEY}
+    draft["lm_head"] = target_module(params.target, "lm_head.weight")
+    rows = draft["markov_head"]["markov_w2"]["weight"]
+    full = mx.zeros((spec.target.vocab_size, rows.shape[1]), rows.dtype)
+    full[ids] = rows
+    draft["markov_head"] = {**draft["markov_head"], "markov_w2": {"weight": full}}
+    draft_spec = dataclasses.replace(spec.draft, draft_vocab_size=0)
+    return params._replace(spec=dataclasses.replace(spec, draft=draft_spec), draft=draft)
+
+
 def main() -> None:
     params, _, config = load_named()
     model = mlx_lm_model(config, params.target)
+    reduced = params.spec.draft.draft_vocab_size
+    whole = full_vocabulary(params) if reduced else None
     widths = (1, 2, 3, 4, 6)
-    print("| context | capacity | mlx-lm step | " + " | ".join(["draft"] + [f"verify {w}" for w in widths]) + " |")
-    print("|---|---|---|" + "---|" * (len(widths) + 1))
+    drafts = [f"draft ({reduced} tokens)", "draft (full vocabulary)"] if reduced else ["draft"]
+    print("| context | capacity | mlx-lm step | " + " | ".join(drafts + [f"verify {w}" for w in widths]) + " | host per round |")
+    print("|---|---|---|" + "---|" * (len(drafts) + len(widths) + 1))
     for context in CONTEXTS:
         runs, capacity = kernel_runs(params, context, widths)
+        runs[drafts[0]] = runs.pop("draft")
+        if whole is not None:
+            runs[drafts[1]] = kernel_runs(whole, context, (1,))[0]["draft"]
         runs["mlx-lm step"] = mlx_lm_step(model, context)
         ms = {name: 1e3 * seconds for name, seconds in fastest_seconds(runs).items()}
-        cells = [ms["mlx-lm step"], ms["draft"]] + [ms[f"verify {w}"] for w in widths]
+        cells = [ms["mlx-lm step"]] + [ms[d] for d in drafts] + [ms[f"verify {w}"] for w in widths]
+        cells.append(host_ms_per_round(params, context))
         print(f"| {context} | {capacity} | " + " | ".join(f"{c:.1f}" for c in cells) + " |", flush=True)
 
 

@@ -4,6 +4,8 @@ comparisons side by side in one process.
     python bench/report.py core        # compiled vs eager round; dspark vs mlx-lm greedy (parity fixture)
     python bench/report.py default     # embedded SmolLM2 pair: tau per dataset, greedy and T=1; speedup
     python bench/report.py quant       # tau of the default draft: float vs 8-bit vs 4-bit
+    python bench/report.py speed       # default policy vs mlx-lm greedy on every bundled set
+    python bench/report.py context     # default policy vs mlx-lm greedy after long prompts
 
 Environment: N (prompts per dataset, default 50), TOKENS (new tokens, default 128),
 SPEED_N (prompts for the speed comparison, default 10), REPEATS (default 3).
@@ -89,6 +91,48 @@ def default() -> None:
               f"{s['speedup']:.2f}x | {s['tau']:.2f} | {s['identical']} |", flush=True)
 
 
+DATASETS = ("gsm8k", "humaneval", "math500", "mbpp", "mt-bench")
+
+
+def speed() -> None:
+    """Default settings (no flags) against mlx-lm greedy on the same weights:
+    every prompt through both engines in each repeat, medians of repeats."""
+    params, tokenizer, config = load_named()
+    model = mlx_lm_model(config, params.target)
+    print(f"embedded default, default policy, greedy, {SPEED_N} prompts per dataset, {TOKENS} new tokens, "
+          f"medians of {REPEATS} repeats ({machine()})\n")
+    print("| dataset | mlx-lm greedy tokens/s | dspark_fn tokens/s | speedup | tau | drafted rounds | identical |")
+    print("|---|---|---|---|---|---|---|")
+    for dataset in DATASETS:
+        prompts = [chat_tokens(tokenizer, text) for text in first_turns(dataset, SPEED_N)]
+        s = run_bench(params, model, prompts, TOKENS, stop_tokens(tokenizer), repeats=REPEATS).summary()
+        print(f"| {dataset} | {s['baseline_tokens_per_s']:.1f} | {s['dspark_tokens_per_s']:.1f} | "
+              f"{s['speedup']:.2f}x | {s['tau']:.2f} | {s['drafted_share']:.0%} | {s['identical']} |", flush=True)
+
+
+def long_prompt(tokenizer, length: int) -> list[int]:
+    """A chat prompt of about ``length`` tokens: code from the humaneval set, then a request."""
+    parts, text = first_turns("humaneval"), ""
+    while len(tokenizer.encode(text)) < length - 40:
+        text += parts[len(text) % len(parts)] + "\n"
+    ids = tokenizer.encode(text)[: length - 40]
+    return chat_tokens(tokenizer, tokenizer.decode(ids) + "\nExplain what the last function does.")
+
+
+def context() -> None:
+    params, tokenizer, config = load_named()
+    model = mlx_lm_model(config, params.target)
+    new = 64
+    print(f"embedded default, default policy, greedy, one long prompt, {new} new tokens, "
+          f"medians of {REPEATS} repeats ({machine()})\n")
+    print("| prompt tokens | mlx-lm greedy tokens/s | dspark_fn tokens/s | speedup | identical |\n|---|---|---|---|---|")
+    for length in (256, 1024, 4096):
+        prompt = long_prompt(tokenizer, length)
+        s = run_bench(params, model, [prompt], new, stop_tokens(tokenizer), repeats=REPEATS).summary()
+        print(f"| {len(prompt)} | {s['baseline_tokens_per_s']:.1f} | {s['dspark_tokens_per_s']:.1f} | "
+              f"{s['speedup']:.2f}x | {s['identical']} |", flush=True)
+
+
 def quant() -> None:
     params, tokenizer, _ = load_named()
     print(f"embedded default, gsm8k, {N} prompts, {TOKENS} new tokens, greedy ({machine()})\n")
@@ -100,7 +144,7 @@ def quant() -> None:
 
 
 if __name__ == "__main__":
-    sections = {"core": core, "default": default, "quant": quant}
+    sections = {"core": core, "default": default, "quant": quant, "speed": speed, "context": context}
     for name in sys.argv[1:] or sections:
         sections[name]()
         print()

@@ -7,18 +7,9 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from .checkpoints import mlx_lm_model
 from .speculate import capacity_for, generate, init_cache, prefill, prefill_slots, propose, verify
 from .stats import Acceptance
-
-
-def mlx_lm_model(config: dict, target_params: dict):
-    """mlx-lm's own model for ``config``, sharing our parameter arrays."""
-    from mlx_lm.utils import _get_classes
-
-    model_class, args_class = _get_classes(config)
-    model = model_class(args_class.from_dict(config))
-    model.update(target_params)
-    return model
 
 
 def baseline_tokens(model, prompt: list[int], max_new_tokens: int, stop: set) -> list[int]:
@@ -97,6 +88,7 @@ class BenchResult:
             "tau": self.acceptance.tau,
             "acceptance_rate": self.acceptance.acceptance_rate,
             "per_slot_acceptance": self.acceptance.per_slot,
+            "drafted_share": self.acceptance.drafted_share,
             "identical": self.identical,
             "draft_ms_per_round": 1e3 * self.stages[0] / max(self.stages[2], 1),
             "verify_ms_per_round": 1e3 * self.stages[1] / max(self.stages[2], 1),

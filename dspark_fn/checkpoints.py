@@ -6,7 +6,12 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
+import numpy as np
+
+from . import ops
 from .drafts import resolve_arch
+from .drafts.heads import DRAFT_VOCAB_KEY
+from .drafts.vocab import check_vocabulary, restrict_vocabulary
 from .speculate import PairSpec, Params
 from .targets import resolve_target
 
@@ -37,6 +42,12 @@ def load_target(directory) -> tuple:
 
     directory = Path(directory)
     config = read_config(directory, "target")
+    mode = (config.get("quantization") or {}).get("mode", "affine")
+    if mode != "affine":
+        raise ValueError(
+            f"target {directory} is quantized with mode {mode!r}; only MLX affine quantization runs here "
+            f"(mlx_lm.convert -q), or give a float checkpoint with --quant-target 4|8"
+        )
     adapter = resolve_target(config)
     if adapter.load_params is not None:
         params = adapter.load_params(directory)
@@ -46,13 +57,13 @@ def load_target(directory) -> tuple:
     return adapter, adapter.spec_from_config(config), params, config
 
 
-def target_tensor(target_params: dict, target_spec, key: str) -> mx.array:
-    """The target's embedding or output head, for drafts that share them."""
+def target_module(target_params: dict, key: str) -> dict:
+    """The target's embedding or output head (``{"weight"}``, plus ``scales``
+    and ``biases`` when quantized), for drafts that share them."""
     model = target_params.get("model", target_params)
-    embedding = model["embed_tokens"]["weight"]
     if key == "lm_head.weight" and "lm_head" in target_params:
-        return target_params["lm_head"]["weight"]
-    return embedding
+        return target_params["lm_head"]
+    return model["embed_tokens"]
 
 
 def check_draft_family(draft_config: dict, target_spec) -> None:
@@ -93,7 +104,9 @@ def check_draft_fits(draft_spec, target_spec) -> None:
 
 
 def draft_params_from_weights(arch, spec, weights: dict, target_params: dict, target_spec) -> dict:
-    """Validate checkpoint keys and shapes, fill shared tensors, map to the tree."""
+    """Validate checkpoint keys and shapes, map to the tree, and share the
+    target's embedding and head (in whatever form the target stores them:
+    dense or quantized) where the checkpoint has no copy of its own."""
     expected = arch.checkpoint_shapes(spec)
     missing = sorted(set(expected) - set(weights) - set(SHARED_WITH_TARGET))
     unexpected = sorted(set(weights) - set(expected))
@@ -103,19 +116,24 @@ def draft_params_from_weights(arch, spec, weights: dict, target_params: dict, ta
             f"missing {missing[:8]}{' ...' if len(missing) > 8 else ''}, "
             f"unexpected {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}"
         )
-    weights = dict(weights)
-    for key in SHARED_WITH_TARGET:
-        if key in expected and key not in weights:
-            weights[key] = target_tensor(target_params, target_spec, key)
     wrong = [
         f"{key} {tuple(weights[key].shape)} (expected {tuple(shape)})"
         for key, shape in expected.items()
-        if tuple(weights[key].shape) != tuple(shape)
+        if key in weights and tuple(weights[key].shape) != tuple(shape)
     ]
     if wrong:
         raise ValueError("draft checkpoint tensors have wrong shapes: " + "; ".join(wrong[:8]))
     params = tree_unflatten([(arch.key_map(key), value) for key, value in weights.items()])
-    return arch.prepare_params(spec, params) if arch.prepare_params else params
+    for key in SHARED_WITH_TARGET:
+        if key in expected and key not in weights:
+            params[arch.key_map(key).rsplit(".", 1)[0]] = target_module(target_params, key)
+    if arch.prepare_params:
+        params = arch.prepare_params(spec, params)
+    if spec.draft_vocab_size:  # the checkpoint's Markov rows are already the subset's
+        ids = params[DRAFT_VOCAB_KEY]
+        check_vocabulary(np.array(ids), spec.vocab_size)
+        params = restrict_vocabulary(params, ids.astype(mx.int32), markov_rows=False)
+    return params
 
 
 def load_draft(directory, target_spec, target_params: dict) -> tuple:
@@ -156,6 +174,29 @@ def save_draft(directory, config: dict, weights: dict) -> Path:
     return directory
 
 
+def mlx_lm_model(config: dict, target_params: dict):
+    """mlx-lm's own model for ``config`` sharing our parameter arrays; every
+    module stored quantized becomes mlx-lm's quantized module with the group
+    size and bits its arrays say (mixed layouts included)."""
+    import mlx.nn as nn
+    from mlx_lm.utils import _get_classes
+
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))
+    flat = dict(tree_flatten(target_params))
+
+    def stored_quantization(path: str, module) -> dict | bool:
+        if not hasattr(module, "to_quantized") or f"{path}.scales" not in flat:
+            return False
+        stored = {name: flat[f"{path}.{name}"] for name in ("weight", "scales", "biases") if f"{path}.{name}" in flat}
+        group, bits = ops.quantization(stored, module.weight.shape[-1])
+        return {"group_size": group, "bits": bits}
+
+    nn.quantize(model, class_predicate=stored_quantization)
+    model.update(tree_unflatten(list(flat.items())))
+    return model
+
+
 def load_tokenizer(directory):
     """The target's mlx-lm tokenizer, or ``None`` when the directory has none."""
     directory = Path(directory)
@@ -171,6 +212,10 @@ def load_gguf_pair(gguf_path, draft_dir) -> tuple:
     from .gguf import load_gguf_llama
 
     config, target_params, tokenizer = load_gguf_llama(gguf_path)
+    return pair_with_draft(config, target_params, draft_dir), tokenizer, config
+
+
+def pair_with_draft(config: dict, target_params: dict, draft_dir) -> Params:
+    """A loaded target tree (any family, dense or quantized) paired with the draft in ``draft_dir``."""
     adapter = resolve_target(config)
-    params = with_draft(adapter, adapter.spec_from_config(config), target_params, draft_dir)
-    return params, tokenizer, config
+    return with_draft(adapter, adapter.spec_from_config(config), target_params, draft_dir)

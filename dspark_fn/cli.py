@@ -21,6 +21,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         "directory or a .gguf file; default: the embedded SmolLM2-135M-Instruct")
     parser.add_argument("--draft", help="DSpark draft: hub repo id or local directory (implied by an alias)")
     parser.add_argument("--quant-draft", type=int, choices=(4, 8), help="quantize the draft's linear layers")
+    parser.add_argument("--quant-target", type=int, choices=(4, 8),
+                        help="quantize a float target at load, as mlx_lm.convert -q would (group 64)")
 
 
 def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,7 +43,7 @@ def load(args):
     """``(params, tokenizer or None, target config)`` from --model/--draft/--quant-draft."""
     from .models import load_named
 
-    params, tokenizer, config = load_named(args.model, args.draft)
+    params, tokenizer, config = load_named(args.model, args.draft, args.quant_target)
     if args.quant_draft:
         from .quantize import quantize_draft
 

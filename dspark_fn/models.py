@@ -50,8 +50,10 @@ def is_gguf_source(target: str) -> bool:
     return target == "smollm2-gguf" or target.endswith(".gguf")
 
 
-def load_named(model: str | None = None, draft: str | None = None):
-    """``(params, tokenizer or None, target config)`` for an alias, hub ids or local paths."""
+def load_named(model: str | None = None, draft: str | None = None, quant_target: int | None = None):
+    """``(params, tokenizer or None, target config)`` for an alias, hub ids or
+    local paths; ``quant_target`` (4 or 8) quantizes a float target first, so
+    the draft shares the quantized embedding and head."""
     from . import checkpoints, gguf
     from .hub import fetch
 
@@ -59,11 +61,16 @@ def load_named(model: str | None = None, draft: str | None = None):
     draft_dir = fetch(draft, "draft")
     if is_gguf_source(target):
         path = gguf.find_smollm2_gguf() if target == "smollm2-gguf" else Path(target)
-        return checkpoints.load_gguf_pair(path, draft_dir)
-    target_dir = fetch(target, "target")
-    adapter, target_spec, target_params, config = checkpoints.load_target(target_dir)
-    params = checkpoints.with_draft(adapter, target_spec, target_params, draft_dir)
-    return params, checkpoints.load_tokenizer(target_dir), config
+        config, target_params, tokenizer = gguf.load_gguf_llama(path)
+    else:
+        target_dir = fetch(target, "target")
+        _, _, target_params, config = checkpoints.load_target(target_dir)
+        tokenizer = checkpoints.load_tokenizer(target_dir)
+    if quant_target:
+        from .quantize import quantize_target
+
+        target_params, config = quantize_target(config, target_params, quant_target)
+    return checkpoints.pair_with_draft(config, target_params, draft_dir), tokenizer, config
 
 
 def describe() -> list[tuple[str, str, str, str]]:

@@ -10,18 +10,29 @@ import mlx.core as mx
 import mlx.nn as nn
 
 
-# Group size of MLX affine-quantized weights; with it fixed, the bit width
-# follows from the packed shapes, so a quantized tree needs no side metadata.
-QUANT_GROUP_SIZE = 64
+QUANT_BITS = (2, 3, 4, 5, 6, 8)
+
+
+def quantization(p: dict, columns: int) -> tuple[int, int]:
+    """``(group_size, bits)`` of an MLX affine-quantized weight whose rows hold
+    ``columns`` values: packed width and scale count follow from both, so a
+    quantized tree needs no side metadata (any group size, mixed layouts)."""
+    packed, groups = p["weight"].shape[-1], p["scales"].shape[-1]
+    bits, odd_bits = divmod(packed * 32, columns)
+    group, odd_group = divmod(columns, groups)
+    if odd_bits or odd_group or bits not in QUANT_BITS or "biases" not in p:
+        raise ValueError(
+            f"a weight packed as {tuple(p['weight'].shape)} with {groups} scales per row is not an MLX "
+            f"affine quantization of {columns} columns (supported: bits {QUANT_BITS}, any group size)"
+        )
+    return group, bits
 
 
 def linear(p: dict, x: mx.array) -> mx.array:
     """``x @ W.T (+ b)`` for a dense or an affine-quantized weight."""
     if "scales" in p:
-        bits = p["weight"].shape[-1] * 32 // (p["scales"].shape[-1] * QUANT_GROUP_SIZE)
-        y = mx.quantized_matmul(
-            x, p["weight"], p["scales"], p["biases"], transpose=True, group_size=QUANT_GROUP_SIZE, bits=bits
-        )
+        group, bits = quantization(p, x.shape[-1])
+        y = mx.quantized_matmul(x, p["weight"], p["scales"], p["biases"], transpose=True, group_size=group, bits=bits)
     else:
         y = x @ p["weight"].T
     if "bias" in p:
@@ -29,7 +40,11 @@ def linear(p: dict, x: mx.array) -> mx.array:
     return y
 
 
-def embed(p: dict, ids: mx.array) -> mx.array:
+def embed(p: dict, ids: mx.array, dim: int) -> mx.array:
+    """Rows ``ids`` of a dense or an affine-quantized ``[V, dim]`` table."""
+    if "scales" in p:
+        group, bits = quantization(p, dim)
+        return mx.dequantize(p["weight"][ids], p["scales"][ids], p["biases"][ids], group_size=group, bits=bits)
     return p["weight"][ids]
 
 

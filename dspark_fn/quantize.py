@@ -1,21 +1,33 @@
-"""MLX affine quantization of a draft's linear layers, as a pure tree transform.
+"""MLX affine quantization of a pair, as pure tree transforms.
 
-Quantized: every linear of the draft body (attention, MLP, ``fc``) whose input
-width is a multiple of the group size. Kept in full precision: embeddings and
-the output head (shared with the target), norms, the Markov tables (a lookup
-and a low-rank r -> V map: small, and they steer every drafted token) and the
-confidence head.
+Draft (``quantize_draft``): every linear of the draft body (attention, MLP,
+``fc``) whose input width is a multiple of the group size. Kept in full
+precision: embeddings and the output head (shared with the target), norms,
+the Markov tables (a lookup and a low-rank r -> V map: small, and they steer
+every drafted token) and the confidence head.
+
+Target (``quantize_target``): exactly what ``mlx_lm.convert -q`` does to the
+same model (its ``nn.quantize`` over mlx-lm's own module tree: every linear
+and embedding whose width the group size divides), so the result is the
+quantized checkpoint people download, and greedy output is mlx-lm's greedy
+output on it.
 """
 
 import mlx.core as mx
+from mlx.utils import tree_flatten, tree_unflatten
 
-from .ops import QUANT_GROUP_SIZE
-
+GROUP_SIZE = 64
+BITS = (4, 8)
 KEEP_FULL_PRECISION = ("embed_tokens", "lm_head", "markov_head", "confidence_head")
 
 
+def check_bits(bits: int, what: str) -> None:
+    if bits not in BITS:
+        raise ValueError(f"--quant-{what} takes 4 or 8 bits, not {bits}")
+
+
 def quantize_linear(p: dict, bits: int) -> dict:
-    weight, scales, biases = mx.quantize(p["weight"], group_size=QUANT_GROUP_SIZE, bits=bits)
+    weight, scales, biases = mx.quantize(p["weight"], group_size=GROUP_SIZE, bits=bits)
     return {**p, "weight": weight, "scales": scales, "biases": biases}
 
 
@@ -25,7 +37,7 @@ def is_quantizable(p: dict) -> bool:
         isinstance(weight, mx.array)
         and weight.ndim == 2
         and "scales" not in p
-        and weight.shape[-1] % QUANT_GROUP_SIZE == 0
+        and weight.shape[-1] % GROUP_SIZE == 0
     )
 
 
@@ -41,9 +53,23 @@ def quantize_tree(tree, bits: int):
 
 def quantize_draft(draft_params: dict, bits: int) -> dict:
     """The draft tree with its body linears quantized to ``bits`` (4 or 8)."""
-    if bits not in (4, 8):
-        raise ValueError(f"--quant-draft takes 4 or 8 bits, not {bits}")
+    check_bits(bits, "draft")
     return {
         key: value if key in KEEP_FULL_PRECISION else quantize_tree(value, bits)
         for key, value in draft_params.items()
     }
+
+
+def quantize_target(config: dict, target_params: dict, bits: int) -> tuple[dict, dict]:
+    """``(params, config)`` of a float target quantized as ``mlx_lm.convert -q`` would."""
+    import mlx.nn as nn
+
+    from .checkpoints import mlx_lm_model
+
+    check_bits(bits, "target")
+    if config.get("quantization"):
+        raise ValueError("the target is already quantized; --quant-target takes a float checkpoint")
+    model = mlx_lm_model(config, target_params)
+    nn.quantize(model, group_size=GROUP_SIZE, bits=bits)
+    params = tree_unflatten(tree_flatten(model.parameters()))
+    return params, {**config, "quantization": {"group_size": GROUP_SIZE, "bits": bits}}

@@ -198,18 +198,22 @@ class DraftGate:
         self.plain_rounds += 1
         return False
 
-    def observe(self, accepted: np.ndarray, limits: np.ndarray) -> None:
+    def observe(self, accepted: np.ndarray, limits: np.ndarray, confidences: np.ndarray) -> None:
         """A drafted round: row r verified ``limits[r]`` drafts and kept
-        ``accepted[r]``; slot k was put to the test iff ``accepted >= k - 1``."""
+        ``accepted[r]``. Slot k counts for the rows that reached it (every
+        earlier slot accepted): verified, it was accepted or not; left
+        unverified by the plan, its draft confidence stands in for the
+        outcome (the plan cut it because that confidence was low)."""
         for slot in range(len(self.acceptance)):
-            tested = (limits > slot) & (accepted >= slot)
-            count = int(tested.sum())
+            reached = accepted >= slot
+            count = int(reached.sum())
             if not count:
                 continue
+            verified = limits > slot
+            outcome = np.where(verified, accepted > slot, confidences[:, slot])[reached]
             self.observed[slot] += count
             weight = max(ACCEPTANCE_EMA, count / self.observed[slot])
-            rate = float((accepted[tested] > slot).mean())
-            self.acceptance[slot] += weight * (rate - self.acceptance[slot])
+            self.acceptance[slot] += weight * (float(outcome.mean()) - self.acceptance[slot])
 
 
 def fastest_seconds(runs: dict, passes: int = 7) -> dict:

@@ -20,7 +20,7 @@ from mlx.utils import tree_flatten, tree_map
 
 from .cache import Cache
 from .drafts.base import DraftArch
-from .drafts.heads import draft_chain
+from .drafts.heads import DRAFT_VOCAB_KEY, draft_chain
 from .sampling import GREEDY, Sampling, choose, log_probs
 from .schedule import CostCurve, VerifyPolicy, cached_costs, cost_key, fastest_seconds, monotone, width_buckets
 from .targets.base import TargetAdapter
@@ -61,9 +61,9 @@ class Params(NamedTuple):
 
 class Proposal(NamedTuple):
     tokens: mx.array  # [B, G] drafted tokens
-    logits: mx.array  # [B, G, V] Markov-corrected logits
+    logits: mx.array  # [B, G, V'] Markov-corrected logits over the draft vocabulary (V' = V when full)
     confidence_logits: mx.array  # [B, G]
-    base_logits: mx.array  # [B, G, V]
+    base_logits: mx.array  # [B, G, V']
     hidden: mx.array  # [B, G, d] input of the confidence head
     log_probs: mx.array  # [B, G, V] distribution each draft was drawn from (= logits when greedy)
 
@@ -132,9 +132,20 @@ def draft_block(params: Params, cache: Cache, tokens: mx.array, sampling: Sampli
         spec.draft, params.draft, cache.draft, cache.length, block_ids
     )
     slot_keys = mx.random.split(round_keys(cache.rng).draft, spec.block_size)
-    pick = lambda logits, slot: choose(logits, sampling, slot_keys[slot]).astype(tokens.dtype)  # noqa: E731
+    vocab = params.draft.get(DRAFT_VOCAB_KEY)  # target id of each draft-vocabulary entry
+
+    def pick(logits, slot):
+        choice = choose(logits, sampling, slot_keys[slot])
+        return (choice if vocab is None else vocab[choice]).astype(tokens.dtype)
+
     drafted, logits, confidence = draft_chain(spec.draft, params.draft, base, hidden, tokens, pick)
-    distribution = logits if sampling.greedy else log_probs(logits, sampling)
+    if sampling.greedy:
+        return Proposal(drafted, logits, confidence, base, hidden, logits)
+    distribution = log_probs(logits, sampling)
+    if vocab is not None:  # no mass outside the draft vocabulary
+        full = mx.full((*distribution.shape[:-1], spec.target.vocab_size), -mx.inf, distribution.dtype)
+        full[..., vocab] = distribution
+        distribution = full
     return Proposal(drafted, logits, confidence, base, hidden, distribution)
 
 
@@ -480,12 +491,13 @@ def _initial_capacity(rows: list, max_new_tokens: int, widest: int, capacity: in
     return capacity
 
 
-def _round_plan(policy: VerifyPolicy, proposal: Proposal | None, active: np.ndarray) -> tuple[int, np.ndarray]:
-    """Verify width and per-row proposal lengths; a round without a draft is a plain target step."""
+def _round_plan(policy: VerifyPolicy, proposal: Proposal | None, active: np.ndarray):
+    """Verify width, per-row proposal lengths and the draft confidences
+    ``[B, G]`` (None without a draft: the round is a plain target step)."""
     if proposal is None:
-        return 1, np.zeros(len(active), np.int32)
+        return 1, np.zeros(len(active), np.int32), None
     confidences = 1 / (1 + np.exp(-np.array(proposal.confidence_logits)))
-    return policy.plan(confidences, active)
+    return *policy.plan(confidences, active), confidences
 
 
 def _row_events(result, limits, width, active, produced, done, stop_tokens, max_new_tokens) -> list:
@@ -558,18 +570,17 @@ def generate(
         yield Event("prefill", emitted, 0, [], [], row)
     while not all(done):
         active = ~np.array(done)
-        round_width, limits = _round_plan(policy, proposal, active)
+        round_width, limits, confidences = _round_plan(policy, proposal, active)
         if growing:
             cache = grow_cache(params, cache, capacity_for(int(committed[active].max()) + round_width))
-        drafted = proposal is not None
         cache, result = verify(
-            params, cache, tokens, proposal if drafted else no_proposal(batch), round_width, sampling,
-            mx.array(limits), mx.array(active),
+            params, cache, tokens, proposal if confidences is not None else no_proposal(batch), round_width,
+            sampling, mx.array(limits), mx.array(active),
         )
         tokens = result.next_tokens
         proposal = next_proposal(cache, tokens)
         mx.eval(result, proposal)
         committed += np.array(result.count.tolist())
-        if drafted and gate is not None:
-            gate.observe(np.array(result.accepted.tolist())[active], limits[active])
+        if confidences is not None and gate is not None:
+            gate.observe(np.array(result.accepted.tolist())[active], limits[active], confidences[active])
         yield from _row_events(result, limits, round_width, active, produced, done, stop_tokens, max_new_tokens)

@@ -13,6 +13,7 @@ class Acceptance:
     emitted: int = 0
     accepted: int = 0
     drafted: int = 0
+    proposals: int = 0  # rounds that verified at least one draft
     slot_proposed: list = field(default_factory=list)
     slot_accepted: list = field(default_factory=list)
 
@@ -21,6 +22,7 @@ class Acceptance:
         self.emitted += emitted
         self.accepted += accepted
         self.drafted += drafted
+        self.proposals += drafted > 0
         grow = drafted - len(self.slot_proposed)
         if grow > 0:
             self.slot_proposed += [0] * grow
@@ -45,6 +47,11 @@ class Acceptance:
         return self.emitted / verified if verified else 0.0
 
     @property
+    def drafted_share(self) -> float:
+        """Share of rounds that verified drafts (the rest were plain target steps)."""
+        return self.proposals / self.rounds if self.rounds else 0.0
+
+    @property
     def per_slot(self) -> list:
         """P(slot j accepted | slot j proposed), slot 0 first."""
         return [a / p if p else 0.0 for a, p in zip(self.slot_accepted, self.slot_proposed)]
@@ -56,6 +63,7 @@ class Acceptance:
             "acceptance_rate": self.acceptance_rate,
             "verify_rate": self.verify_rate,
             "per_slot_acceptance": self.per_slot,
+            "drafted_share": self.drafted_share,
         }
 
 

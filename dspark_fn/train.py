@@ -31,6 +31,7 @@ from mlx.utils import tree_flatten, tree_map, tree_unflatten
 from .checkpoints import SHARED_WITH_TARGET, draft_params_from_weights, read_safetensors, save_draft
 from .drafts.heads import confidence_logit, markov_bias, markov_embedding
 from .drafts.init import random_draft_weights
+from .drafts.vocab import restrict_vocabulary
 from .speculate import Params, generate
 
 LOSS_DECAY = 4.0  # DeepSpec ``loss_decay_gamma``: slot k weighs exp(-k / 4)
@@ -309,15 +310,6 @@ def corpus_vocabulary(corpus: Corpus, vocab_size: int) -> Vocabulary:
     index = np.zeros(vocab_size, np.int32)
     index[used] = np.arange(len(used))
     return Vocabulary(mx.array(used.astype(np.int32)), mx.array(index))
-
-
-def restrict_vocabulary(params: dict, ids: mx.array) -> dict:
-    """The draft with its output head and Markov output rows cut to ``ids``."""
-    restricted = dict(params, lm_head={name: value[ids] for name, value in params["lm_head"].items()})
-    if "markov_head" in params:
-        markov = params["markov_head"]
-        restricted["markov_head"] = dict(markov, markov_w2={"weight": markov["markov_w2"]["weight"][ids]})
-    return restricted
 
 
 def dspark_loss(arch, spec, params: dict, batch: Batch, vocabulary: Vocabulary | None = None):

@@ -1,13 +1,23 @@
 """Sampled speculation is distributed exactly as sampling the target alone.
 
-The distribution tests run 20,000 independent rows as one batch through the
-real driver (``generate``) and compare the first three emitted tokens (the
-prefill token and what the first rounds emit) with the exact distribution
-computed from the mlx-lm target's own logits. Chi-square over the outcomes
-with an expected count >= 5 (the rest pooled); a test fails when p < 1e-3,
-so a correct sampler fails a given run with probability 0.1%.
+20,000 independent rows run as one batch through the real driver
+(``generate``), ``TOKENS`` tokens each, and two tests read them:
+
+- the first three emitted tokens against their exact joint distribution
+  (computed from the mlx-lm target's own logits), chi-square over every
+  outcome expected >= 5 times (the rest pooled);
+- every position up to ``TOKENS`` (later draft slots, bonus tokens after a
+  fully accepted block, rounds with and without a draft) by the randomised
+  probability integral transform: ``u = F(t - 1) + U * p(t)`` under the
+  target's exact conditional distribution given the row's own prefix is
+  uniform on [0, 1) and independent across positions iff the sampler is
+  right; chi-square of ``u`` over 20 equal bins at each position.
+
+A test fails when p < 1e-3 (a correct sampler fails a given run with
+probability 0.1% per check).
 """
 
+import json
 import math
 
 import mlx.core as mx
@@ -16,10 +26,14 @@ import pytest
 
 import dspark_fn
 from dspark_fn import CostCurve, Sampling
+from dspark_fn.checkpoints import save_draft
+from dspark_fn.drafts.vocab import reduced_checkpoint
 from dspark_fn.sampling import log_probs
 from helpers import build_bigram_draft, build_target, mlx_lm_greedy, speculative_tokens, target_config
 
 SAMPLES = 20_000
+TOKENS = 8
+PIT_BINS = 20
 PROMPT = [5, 9]
 P_VALUE_FLOOR = 1e-3
 CONFIG = target_config("qwen3", vocab=32, hidden=16, layers=2, heads=2, kv_heads=1, head_dim=8)
@@ -32,7 +46,10 @@ def models(tmp_path_factory):
     model = build_target(root / "target", CONFIG, seed=0, gain=3.0)
     build_bigram_draft(root / "good", CONFIG, model, PROMPT, scale=1.0, **DRAFT)
     build_bigram_draft(root / "bad", CONFIG, model, PROMPT, scale=-1.0, **DRAFT)
-    pairs = {name: dspark_fn.load(root / "target", root / name) for name in ("good", "bad")}
+    config = json.loads((root / "good" / "config.json").read_text())
+    weights = mx.load(str(root / "good" / "model.safetensors"))
+    save_draft(root / "reduced", *reduced_checkpoint(config, weights, np.arange(0, 32, 2)))  # even ids only
+    pairs = {name: dspark_fn.load(root / "target", root / name) for name in ("good", "bad", "reduced")}
     return model, pairs
 
 
@@ -72,18 +89,39 @@ def exact_first_three(model, sampling: Sampling) -> np.ndarray:
     return first[:, None, None] * second[:, :, None] * third
 
 
-def first_three_counts(params, sampling: Sampling, seed: int, **kwargs) -> np.ndarray:
-    vocab = CONFIG["vocab_size"]
+def sampled_streams(params, sampling: Sampling, seed: int, **kwargs) -> tuple[np.ndarray, set]:
+    """``[SAMPLES, TOKENS]`` emitted tokens, and the verify widths the rounds used."""
     streams = [[] for _ in range(SAMPLES)]
     events = dspark_fn.generate(
-        params, [PROMPT] * SAMPLES, 3, sampling=sampling, seed=seed, capacity=12, **kwargs
+        params, [PROMPT] * SAMPLES, TOKENS, sampling=sampling, seed=seed, capacity=24, **kwargs
     )
+    widths = set()
     for event in events:
         streams[event.row] += event.emitted
+        widths.add(event.width)
     outcomes = np.array(streams)
-    assert outcomes.shape == (SAMPLES, 3)
+    assert outcomes.shape == (SAMPLES, TOKENS)
+    return outcomes, widths - {0}
+
+
+def first_three_counts(outcomes: np.ndarray) -> np.ndarray:
+    vocab = CONFIG["vocab_size"]
     index = (outcomes[:, 0] * vocab + outcomes[:, 1]) * vocab + outcomes[:, 2]
     return np.bincount(index, minlength=vocab**3)
+
+
+def pit_values(model, outcomes: np.ndarray, sampling: Sampling, seed: int) -> np.ndarray:
+    """``[SAMPLES, TOKENS]`` randomised PIT of each token under the target's
+    exact distribution given the prompt and the row's earlier tokens."""
+    rows = np.concatenate([np.tile(PROMPT, (len(outcomes), 1)), outcomes[:, :-1]], axis=1)
+    logits = np.concatenate([
+        np.array(model(mx.array(rows[i : i + 4096]))[:, len(PROMPT) - 1 :].astype(mx.float32))
+        for i in range(0, len(rows), 4096)
+    ])
+    probs = reference_probs(logits, sampling)  # [N, T, V]
+    taken = np.take_along_axis(probs, outcomes[..., None], axis=-1)[..., 0]
+    below = np.take_along_axis(np.cumsum(probs, axis=-1), outcomes[..., None], axis=-1)[..., 0] - taken
+    return below + np.random.default_rng(seed).uniform(size=taken.shape) * taken
 
 
 def chi_square_survival(statistic: float, dof: int) -> float:
@@ -91,6 +129,13 @@ def chi_square_survival(statistic: float, dof: int) -> float:
     approximation (relative error under 5% at p = 1e-3 for dof >= 20)."""
     z = ((statistic / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
     return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def uniform_p_value(values: np.ndarray) -> float:
+    """Chi-square of ``values`` in [0, 1) over ``PIT_BINS`` equal bins."""
+    observed = np.bincount(np.minimum((values * PIT_BINS).astype(int), PIT_BINS - 1), minlength=PIT_BINS)
+    expected = len(values) / PIT_BINS
+    return chi_square_survival(((observed - expected) ** 2 / expected).sum(), PIT_BINS - 1)
 
 
 def chi_square_p_value(observed: np.ndarray, probs: np.ndarray) -> float:
@@ -107,25 +152,48 @@ def chi_square_p_value(observed: np.ndarray, probs: np.ndarray) -> float:
     return chi_square_survival(statistic, len(bins_e) - 1)
 
 
+WHOLE_BLOCK = dict(width=None)
 CASES = {
-    "good draft": ("good", Sampling(1.0), {}),
-    "bad draft": ("bad", Sampling(1.0), {}),
-    "top-k top-p": ("good", Sampling(0.8, top_k=6, top_p=0.9), {}),
+    "good draft": ("good", Sampling(1.0), WHOLE_BLOCK),
+    "bad draft": ("bad", Sampling(1.0), WHOLE_BLOCK),
+    "top-k top-p": ("good", Sampling(0.8, top_k=6, top_p=0.9), WHOLE_BLOCK),
     # a cost curve under which Algorithm 1 picks intermediate widths
     "auto width": ("good", Sampling(1.0), dict(width="auto", costs=CostCurve(0.5, {1: 1.0, 2: 1.1, 3: 1.2, 4: 1.5}))),
-    "confidence threshold": ("good", Sampling(1.0), dict(confidence_threshold=0.2)),
+    # a slot is nearly free to verify but the draft costs half a step: the
+    # gate drafts the first round, sees the bad draft rejected, and declines
+    "auto declines to draft": ("bad", Sampling(1.0), dict(costs=CostCurve(0.5, {1: 1.0, 2: 1.02, 3: 1.4, 4: 1.5}))),
+    "confidence threshold": ("good", Sampling(1.0), dict(WHOLE_BLOCK, confidence_threshold=0.2)),
+    # the draft proposes from half the vocabulary; the residual covers the rest
+    "reduced vocabulary": ("reduced", Sampling(1.0), WHOLE_BLOCK),
+    "reduced vocabulary top-k": ("reduced", Sampling(0.7, top_k=5), WHOLE_BLOCK),
 }
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_first_three_tokens_match_target_sampling(models, case):
+@pytest.fixture(scope="module", params=sorted(CASES))
+def sampled(request, models):
     model, pairs = models
-    draft, sampling, kwargs = CASES[case]
+    draft, sampling, kwargs = CASES[request.param]
+    outcomes, widths = sampled_streams(pairs[draft], sampling, seed=len(request.param), **kwargs)
+    return request.param, model, sampling, outcomes, widths
+
+
+def test_first_three_tokens_match_target_sampling(sampled):
+    case, model, sampling, outcomes, _ = sampled
     probs = exact_first_three(model, sampling)
-    counts = first_three_counts(pairs[draft], sampling, seed=len(case), **kwargs)
+    counts = first_three_counts(outcomes)
     assert counts[probs.ravel() == 0].sum() == 0, "emitted a token the filters exclude"
     p_value = chi_square_p_value(counts, probs)
     assert p_value > P_VALUE_FLOOR, f"{case}: chi-square p = {p_value:.2e}"
+
+
+def test_every_position_matches_target_sampling(sampled):
+    case, model, sampling, outcomes, widths = sampled
+    if case == "auto declines to draft":
+        assert 1 in widths and max(widths) > 1, widths  # rounds with and without a draft
+    pit = pit_values(model, outcomes, sampling, seed=len(case))
+    for position in range(TOKENS):
+        p_value = uniform_p_value(pit[:, position])
+        assert p_value > P_VALUE_FLOOR, f"{case}: token {position + 1}: chi-square p = {p_value:.2e}"
 
 
 def test_transform_matches_reference():

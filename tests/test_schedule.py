@@ -10,6 +10,7 @@ import pytest
 import dspark_fn
 from dspark_fn.schedule import (
     CostCurve,
+    DraftGate,
     VerifyPolicy,
     bucket_for,
     cached_costs,
@@ -202,3 +203,39 @@ def test_limit_caps_an_always_right_proposal(pair):
 
 def test_measured_curves_never_decrease_with_width():
     assert monotone({1: 0.5, 2: 0.4, 3: 0.7, 4: 0.6}) == {1: 0.5, 2: 0.5, 3: 0.7, 4: 0.7}
+
+
+# ---- the gate: whether a round drafts at all
+
+GATE_COSTS = CostCurve(0.5, {1: 1.0, 2: 1.1, 3: 1.2, 4: 1.3, 6: 1.5})
+
+
+def test_gate_measures_acceptance_per_slot():
+    """Row 0 kept 2 of 3 drafts, row 1 none of 3, row 2 verified one draft
+    and kept it (slot 2 unverified: its confidence 0.25 stands in)."""
+    gate = DraftGate.start(GATE_COSTS, width_buckets(5), 5)
+    confidences = np.full((3, 5), 0.5)
+    confidences[2, 1] = 0.25
+    gate.observe(np.array([2, 0, 1]), np.array([3, 3, 1]), confidences)
+    assert gate.acceptance[:3].tolist() == pytest.approx([2 / 3, (1 + 0.25) / 2, 0.0])
+    assert gate.observed[:4].tolist() == [3, 2, 1, 0]
+    assert gate.acceptance[3:].tolist() == [1.0, 1.0]  # not reached: still untried
+
+
+def test_gate_declines_when_drafting_does_not_pay_and_probes_with_backoff():
+    gate = DraftGate.start(GATE_COSTS, width_buckets(5), 5)
+    assert gate.draft_next()  # untried: optimistic
+    gate.observe(np.zeros(4, int), np.full(4, 5), np.full((4, 5), 0.1))  # every draft rejected
+    decisions = [gate.draft_next() for _ in range(60)]
+    probes = [i for i, drafted in enumerate(decisions) if drafted]
+    gaps = np.diff([-1] + probes) - 1  # plain rounds before each probe
+    assert gaps.tolist()[:6] == [1, 2, 4, 8, 16, 16]
+
+
+def test_gate_drafts_again_once_acceptance_recovers():
+    gate = DraftGate.start(GATE_COSTS, width_buckets(5), 5)
+    gate.observe(np.zeros(4, int), np.full(4, 5), np.full((4, 5), 0.1))
+    assert not gate.draft_next()
+    for _ in range(10):  # an easy stretch: every draft accepted
+        gate.observe(np.full(4, 5), np.full(4, 5), np.full((4, 5), 0.9))
+    assert all(gate.draft_next() for _ in range(5))

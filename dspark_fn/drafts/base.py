@@ -19,6 +19,7 @@ class DSparkFields:
     confidence_head: bool
     confidence_with_markov: bool
     confidence_bias: bool
+    draft_vocab_size: int  # 0: the draft proposes from the whole vocabulary
 
 
 def dspark_fields(config: dict) -> dict:
@@ -42,6 +43,7 @@ def dspark_fields(config: dict) -> dict:
         confidence_head=config.get("enable_confidence_head", False),
         confidence_with_markov=config.get("confidence_head_with_markov", False),
         confidence_bias=True,
+        draft_vocab_size=config.get("draft_vocab_size") or 0,
     )
 
 

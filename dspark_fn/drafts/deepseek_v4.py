@@ -53,7 +53,7 @@ from ..targets.deepseek_v4 import (
     rope_inv_freq,
 )
 from .base import DraftArch, DSparkFields, dspark_fields
-from .heads import head_shapes
+from .heads import DRAFT_VOCAB_KEY, head_shapes
 
 DSPARK_KEYS = {
     "dspark_block_size": "block_size",
@@ -165,7 +165,7 @@ def key_map(key: str) -> str:
     if not match:
         return key
     stage, name = match.groups()
-    if name.startswith(("markov_head.", "confidence_head.")):
+    if name.startswith(("markov_head.", "confidence_head.", DRAFT_VOCAB_KEY)):
         return name
     for pattern, replacement in STAGE_RENAMES:
         name = pattern.sub(replacement, name)

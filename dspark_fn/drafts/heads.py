@@ -48,17 +48,25 @@ def decoder_layer_shapes(
 
 
 def head_shapes(spec: DSparkFields) -> dict:
-    """Checkpoint tensors of the Markov and confidence heads."""
+    """Checkpoint tensors of the Markov and confidence heads, and the draft
+    vocabulary when the draft proposes from a subset (``draft_vocab_ids``:
+    the target id of each draft-vocabulary entry; the Markov output rows are
+    stored for those entries only)."""
     shapes = {}
+    if spec.draft_vocab_size:
+        shapes[DRAFT_VOCAB_KEY] = (spec.draft_vocab_size,)
     if spec.markov_rank:
         shapes["markov_head.markov_w1.weight"] = (spec.vocab_size, spec.markov_rank)
-        shapes["markov_head.markov_w2.weight"] = (spec.vocab_size, spec.markov_rank)
+        shapes["markov_head.markov_w2.weight"] = (spec.draft_vocab_size or spec.vocab_size, spec.markov_rank)
     if spec.confidence_head:
         width = spec.hidden_size + (spec.markov_rank if spec.confidence_with_markov else 0)
         shapes["confidence_head.proj.weight"] = (1, width)
         if spec.confidence_bias:
             shapes["confidence_head.proj.bias"] = (1,)
     return shapes
+
+
+DRAFT_VOCAB_KEY = "draft_vocab_ids"
 
 
 def markov_embedding(params: dict, prev: mx.array) -> mx.array:

@@ -91,7 +91,7 @@ def block_forward(spec: Qwen3DraftSpec, params: dict, state: list, length, block
     positions = positions_from(length, width)
     inv_freq = ops.rope_inv_freq(spec.head_dim, dict(spec.rope))
     mask = block_mask(length, capacity, width)
-    h = ops.embed(params["embed_tokens"], block_ids)
+    h = ops.embed(params["embed_tokens"], block_ids, spec.hidden_size)
     for layer, (keys, values) in zip(params["layers"], state):
         attn = layer["self_attn"]
         x = ops.rms_norm(h, layer["input_layernorm"]["weight"], spec.eps)

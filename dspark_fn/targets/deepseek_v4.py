@@ -195,7 +195,7 @@ def block(spec: BlockSpec, layer: dict, streams, attention, token_ids=None):
 
 
 def embedded_streams(spec: BlockSpec, embed_tokens: dict, tokens) -> mx.array:
-    return mhc.expand(ops.embed(embed_tokens, tokens), spec.hyper.streams)
+    return mhc.expand(ops.embed(embed_tokens, tokens, spec.hidden_size), spec.hyper.streams)
 
 
 def tap(streams: mx.array) -> mx.array:

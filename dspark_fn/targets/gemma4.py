@@ -126,7 +126,7 @@ def init_kv(spec: Gemma4Spec, batch: int, capacity: int) -> list:
 
 
 def scaled_embedding(p: dict, ids: mx.array, hidden_size: int) -> mx.array:
-    return ops.embed(p, ids) * hidden_size**0.5
+    return ops.embed(p, ids, hidden_size) * hidden_size**0.5
 
 
 def queries(geometry: AttentionGeometry, attn: dict, x, num_heads: int, positions, eps: float):
@@ -167,7 +167,8 @@ def per_layer_inputs(spec: Gemma4Spec, model: dict, tokens, embedded) -> list:
     embedding mixed with a projection of the (scaled) input embedding."""
     batch, length = tokens.shape
     shape = (batch, length, spec.num_layers, spec.per_layer_input_size)
-    looked_up = ops.embed(model["embed_tokens_per_layer"], tokens) * spec.per_layer_input_size**0.5
+    looked_up = ops.embed(model["embed_tokens_per_layer"], tokens, spec.num_layers * spec.per_layer_input_size)
+    looked_up = looked_up * spec.per_layer_input_size**0.5
     projected = ops.linear(model["per_layer_model_projection"], embedded) * spec.hidden_size**-0.5
     projected = ops.rms_norm(projected.reshape(shape), model["per_layer_projection_norm"]["weight"], spec.eps)
     mixed = (projected + looked_up.reshape(shape)) * 2**-0.5

@@ -80,7 +80,7 @@ def forward(spec: LlamaSpec, params: dict, kv: list, tokens, start, taps: tuple)
     positions = positions_from(start, tokens.shape[1])
     mask = causal_mask(positions, kv[0][0].shape[2])
     inv_freq = ops.rope_inv_freq(spec.head_dim, dict(spec.rope))
-    h = ops.embed(model["embed_tokens"], tokens)
+    h = ops.embed(model["embed_tokens"], tokens, spec.hidden_size)
     tapped, new_kv = {}, []
     for index, (layer, (keys, values)) in enumerate(zip(model["layers"], kv)):
         x = ops.rms_norm(h, layer["input_layernorm"]["weight"], spec.eps)
