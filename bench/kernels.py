@@ -18,7 +18,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from dspark_fn.speculate import capacity_for, generate, init_cache, no_proposal, propose, verify
 from dspark_fn.benchmark import mlx_lm_model
-from dspark_fn.checkpoints import target_module
+from dspark_fn.targets import target_module
 from dspark_fn.drafts.heads import DRAFT_VOCAB_KEY
 from dspark_fn.models import load_named
 from dspark_fn.schedule import fastest_seconds
@@ -67,9 +67,7 @@ def kernel_runs(params, context: int, widths) -> dict:
 def host_ms_per_round(params, context: int, rounds: int = 40) -> float:
     """Driver time outside ``mx.eval`` (graph building, planning, events) per
     round of ``generate`` at the default policy."""
-    import dspark_fn.speculate as driver
-
-    evaluate, inside = driver.mx.eval, [0.0]
+    evaluate, inside = mx.eval, [0.0]
 
     def timed_eval(*args):
         start = time.perf_counter()
@@ -78,13 +76,13 @@ def host_ms_per_round(params, context: int, rounds: int = 40) -> float:
 
     prompt = [1] * context
     list(generate(params, prompt, 8))  # compile outside the measurement
-    driver.mx.eval = timed_eval
+    mx.eval = timed_eval
     try:
         start = time.perf_counter()
         count = sum(event.kind == "round" for event in generate(params, prompt, rounds))
         total = time.perf_counter() - start
     finally:
-        driver.mx.eval = evaluate
+        mx.eval = evaluate
     return 1e3 * (total - inside[0]) / count
 
 

@@ -13,7 +13,7 @@ from .drafts import resolve_arch
 from .drafts.heads import DRAFT_VOCAB_KEY
 from .drafts.vocab import check_vocabulary, restrict_vocabulary
 from .speculate import PairSpec, Params
-from .targets import resolve_target
+from .targets import family_of, resolve_target, target_module, text_model_config
 
 # Draft tensors that DeepSpec copies from the target; taken from it when absent.
 SHARED_WITH_TARGET = ("embed_tokens.weight", "lm_head.weight")
@@ -48,29 +48,27 @@ def load_target(directory) -> tuple:
             f"target {directory} is quantized with mode {mode!r}; only MLX affine quantization runs here "
             f"(mlx_lm.convert -q), or give a float checkpoint with --quant-target 4|8"
         )
-    adapter = resolve_target(config)
+    text = text_model_config(config)
+    adapter = resolve_target(text)
     if adapter.load_params is not None:
         params = adapter.load_params(directory)
     else:
-        model, config = load_model(directory, lazy=False)
+        # mlx-lm's loader reads lazily and drops a multimodal release's
+        # vision and audio towers before anything is evaluated.
+        model, loaded = load_model(directory, lazy=False)
         params = dict(tree_unflatten(tree_flatten(model.parameters())))
-    return adapter, adapter.spec_from_config(config), params, config
-
-
-def target_module(target_params: dict, key: str) -> dict:
-    """The target's embedding or output head (``{"weight"}``, plus ``scales``
-    and ``biases`` when quantized), for drafts that share them."""
-    model = target_params.get("model", target_params)
-    if key == "lm_head.weight" and "lm_head" in target_params:
-        return target_params["lm_head"]
-    return model["embed_tokens"]
+        if text is config:
+            text = loaded
+        else:
+            params = params["language_model"]
+    return adapter, adapter.spec_from_config(text), params, text
 
 
 def check_draft_family(draft_config: dict, target_spec) -> None:
     """A draft that names its target family (DeepSpec writes ``target_model_type``
     / ``target_text_model_type``) must be paired with that family."""
-    named = {draft_config.get(key) for key in ("target_model_type", "target_text_model_type")} - {None}
-    if named and target_spec.model_type not in named:
+    named = {family_of(draft_config.get(key)) for key in ("target_model_type", "target_text_model_type")} - {None}
+    if named and family_of(target_spec.model_type) not in named:
         raise ValueError(
             f"draft was trained for a {' / '.join(sorted(named))} target, "
             f"not {target_spec.model_type!r}: pair it with its own target"

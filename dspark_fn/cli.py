@@ -23,6 +23,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quant-draft", type=int, choices=(4, 8), help="quantize the draft's linear layers")
     parser.add_argument("--quant-target", type=int, choices=(4, 8),
                         help="quantize a float target at load, as mlx_lm.convert -q would (group 64)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                        help="compute the target in this dtype (default: as stored; float32 is the fast dtype on CPUs)")
 
 
 def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,7 +45,10 @@ def load(args):
     """``(params, tokenizer or None, target config)`` from --model/--draft/--quant-draft."""
     from .models import load_named
 
-    params, tokenizer, config = load_named(args.model, args.draft, args.quant_target)
+    import mlx.core as mx
+
+    dtype = getattr(mx, args.dtype) if args.dtype else None
+    params, tokenizer, config = load_named(args.model, args.draft, args.quant_target, dtype)
     if args.quant_draft:
         from .quantize import quantize_draft
 
@@ -259,11 +264,14 @@ def run_eval(args) -> int:
 
 
 def run_models(args) -> int:
-    from .models import DEFAULT_ALIAS, describe
+    from .models import DEFAULT_ALIAS, describe, machine_memory_gb
 
-    for alias, target, draft, about in describe():
+    memory = machine_memory_gb()
+    for alias, pair in describe():
         mark = " (default)" if alias == DEFAULT_ALIAS else ""
-        print(f"{alias + mark:<24}{about}\n{'':<24}target {target}\n{'':<24}draft  {draft}")
+        fits = "fits this machine" if pair.memory_gb <= memory else f"does NOT fit this machine ({memory:.0f} GB)"
+        print(f"{alias + mark:<24}{pair.about}\n{'':<24}target {pair.target}\n{'':<24}draft  {pair.draft}")
+        print(f"{'':<24}download {pair.download_gb:.1f} GB, memory about {pair.memory_gb:.1f} GB: {fits}")
     return 0
 
 

@@ -17,19 +17,51 @@ class ModelPair:
     target: str
     draft: str
     about: str
+    download_gb: float  # both repositories as published (bf16 safetensors)
+    memory_gb: float  # weights in memory as stored, plus a 4k-token cache
 
 
 DEFAULT_ALIAS = "smollm2-135m"
 
+# Sizes of the published files (hub listings): Qwen3-4B 8.06 GB in 3 shards,
+# Qwen3-8B 16.4 GB in 5, Qwen3-14B 29.5 GB, gemma-4-12B-it one 23.9 GB file;
+# the drafts are one bf16 file each: 2.79, ~4.3, ~6.2 and 6.86 GB.
 ALIASES = {
-    DEFAULT_ALIAS: ModelPair("smollm2-gguf", str(DEFAULT_DRAFT), "SmolLM2-135M-Instruct (embedded, offline) + bundled draft"),
-    "qwen3-4b": ModelPair("Qwen/Qwen3-4B", "deepseek-ai/dspark_qwen3_4b_block7", "Qwen3-4B + DeepSeek DSpark draft"),
-    "qwen3-8b": ModelPair("Qwen/Qwen3-8B", "deepseek-ai/dspark_qwen3_8b_block7", "Qwen3-8B + DeepSeek DSpark draft"),
-    "qwen3-14b": ModelPair("Qwen/Qwen3-14B", "deepseek-ai/dspark_qwen3_14b_block7", "Qwen3-14B + DeepSeek DSpark draft"),
+    DEFAULT_ALIAS: ModelPair(
+        "smollm2-gguf", str(DEFAULT_DRAFT), "SmolLM2-135M-Instruct (embedded, offline) + bundled draft", 0.0, 0.8
+    ),
+    "qwen3-4b": ModelPair(
+        "Qwen/Qwen3-4B", "deepseek-ai/dspark_qwen3_4b_block7", "Qwen3-4B + DeepSeek DSpark draft", 10.9, 11.5
+    ),
+    "qwen3-8b": ModelPair(
+        "Qwen/Qwen3-8B", "deepseek-ai/dspark_qwen3_8b_block7", "Qwen3-8B + DeepSeek DSpark draft", 20.7, 21.3
+    ),
+    "qwen3-14b": ModelPair(
+        "Qwen/Qwen3-14B", "deepseek-ai/dspark_qwen3_14b_block7", "Qwen3-14B + DeepSeek DSpark draft", 35.7, 36.5
+    ),
     "gemma4-12b": ModelPair(
-        "google/gemma-4-12B-it", "deepseek-ai/dspark_gemma4_12b_block7", "Gemma 4 12B instruct + DeepSeek DSpark draft"
+        "google/gemma-4-12B-it", "deepseek-ai/dspark_gemma4_12b_block7",
+        "Gemma 4 12B instruct + DeepSeek DSpark draft (text model; vision and audio towers not loaded)", 30.8, 29.0,
     ),
 }
+
+
+def machine_memory_gb() -> float:
+    """Physical memory of this machine."""
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+
+
+def check_fits(name: str) -> None:
+    """Refuse, before any download, a pair this machine cannot hold."""
+    pair, memory = ALIASES[name], machine_memory_gb()
+    if pair.memory_gb > memory:
+        raise ValueError(
+            f"{name} needs about {pair.memory_gb:.0f} GB of memory ({pair.download_gb:.0f} GB to download); "
+            f"this machine has {memory:.0f} GB. Pick a smaller pair (`dspark models`), or a target quantized "
+            f"with mlx_lm.convert -q passed as --model with its draft as --draft."
+        )
 
 
 def resolve(model: str | None, draft: str | None) -> tuple[str, str]:
@@ -50,14 +82,17 @@ def is_gguf_source(target: str) -> bool:
     return target == "smollm2-gguf" or target.endswith(".gguf")
 
 
-def load_named(model: str | None = None, draft: str | None = None, quant_target: int | None = None):
+def load_named(model: str | None = None, draft: str | None = None, quant_target: int | None = None, dtype=None):
     """``(params, tokenizer or None, target config)`` for an alias, hub ids or
-    local paths; ``quant_target`` (4 or 8) quantizes a float target first, so
-    the draft shares the quantized embedding and head."""
+    local paths; ``dtype`` casts the target's float weights (e.g. bf16
+    releases to float32, the fast dtype on CPUs); ``quant_target`` (4 or 8)
+    then quantizes it, so the draft shares the quantized embedding and head."""
     from . import checkpoints, gguf
     from .hub import fetch
 
     target, draft = resolve(model, draft)
+    if (model or DEFAULT_ALIAS) in ALIASES:
+        check_fits(model or DEFAULT_ALIAS)
     draft_dir = fetch(draft, "draft")
     if is_gguf_source(target):
         path = gguf.find_smollm2_gguf() if target == "smollm2-gguf" else Path(target)
@@ -66,6 +101,8 @@ def load_named(model: str | None = None, draft: str | None = None, quant_target:
         target_dir = fetch(target, "target")
         _, _, target_params, config = checkpoints.load_target(target_dir)
         tokenizer = checkpoints.load_tokenizer(target_dir)
+    if dtype is not None:
+        target_params = cast_floats(target_params, dtype)
     if quant_target:
         from .quantize import quantize_target
 
@@ -73,6 +110,14 @@ def load_named(model: str | None = None, draft: str | None = None, quant_target:
     return checkpoints.pair_with_draft(config, target_params, draft_dir), tokenizer, config
 
 
-def describe() -> list[tuple[str, str, str, str]]:
-    """Rows for ``dspark models``: alias, target, draft, description."""
-    return [(name, pair.target, pair.draft, pair.about) for name, pair in ALIASES.items()]
+def cast_floats(tree, dtype):
+    """``tree`` with every floating array cast to ``dtype`` (packed quantized weights stay)."""
+    import mlx.core as mx
+    from mlx.utils import tree_map
+
+    return tree_map(lambda a: a.astype(dtype) if mx.issubdtype(a.dtype, mx.floating) else a, tree)
+
+
+def describe() -> list[tuple[str, ModelPair]]:
+    """Rows for ``dspark models``."""
+    return list(ALIASES.items())

@@ -23,6 +23,7 @@ from .drafts.base import DraftArch
 from .drafts.heads import DRAFT_VOCAB_KEY, draft_chain
 from .sampling import GREEDY, Sampling, choose, log_probs
 from .schedule import CostCurve, VerifyPolicy, cached_costs, cost_key, fastest_seconds, monotone, width_buckets
+from .targets import activation_dtype
 from .targets.base import TargetAdapter
 from .verify import Accepted, accept_greedy, accept_sampled
 
@@ -80,7 +81,7 @@ class Round(NamedTuple):
 def init_cache(params: Params, batch_size: int, capacity: int, seed: int = 0) -> Cache:
     spec = params.spec
     return Cache(
-        target=spec.target_adapter.init_kv(spec.target, batch_size, capacity),
+        target=spec.target_adapter.init_kv(spec.target, batch_size, capacity, activation_dtype(params.target)),
         draft=spec.draft_arch.init_context(spec.draft, batch_size, capacity),
         length=mx.zeros((batch_size,), mx.int32),
         rng=mx.random.key(seed),

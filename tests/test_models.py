@@ -102,3 +102,22 @@ def test_quantized_draft_changes_only_draft_numerics(pair):
 def test_bad_bit_width(pair):
     with pytest.raises(ValueError, match="4 or 8 bits"):
         quantize_draft(pair[1].draft, 3)
+
+
+def test_a_pair_too_large_for_the_machine_is_refused_before_downloading(monkeypatch):
+    import dspark_fn.hub
+
+    monkeypatch.setattr(models, "machine_memory_gb", lambda: 16.0)
+    monkeypatch.setattr(dspark_fn.hub, "fetch", lambda *a, **k: pytest.fail("fetched before the memory check"))
+    with pytest.raises(ValueError, match=r"qwen3-8b needs about 21 GB of memory \(21 GB to download\); this machine has 16 GB"):
+        models.load_named("qwen3-8b")
+
+
+def test_models_lists_sizes_and_whether_each_pair_fits(capsys, monkeypatch):
+    from dspark_fn.cli import main
+
+    monkeypatch.setattr(models, "machine_memory_gb", lambda: 24.0)
+    assert main(["models"]) == 0
+    listing = capsys.readouterr().out
+    assert "download 10.9 GB, memory about 11.5 GB: fits this machine" in listing
+    assert "download 35.7 GB, memory about 36.5 GB: does NOT fit this machine (24 GB)" in listing

@@ -4,6 +4,7 @@ Adding a backbone is one module exposing ``ARCH`` and one line below.
 """
 
 from . import deepseek_v4, gemma4, qwen3
+from ..targets import family_of
 from .base import DraftArch, DSparkFields
 
 ARCH_REGISTRY: dict[str, DraftArch] = {
@@ -18,10 +19,10 @@ def register_arch(model_type: str, arch: DraftArch) -> None:
 
 
 def resolve_arch(config: dict) -> DraftArch:
-    model_type = config.get("model_type")
+    model_type = family_of(config.get("model_type"))  # a gemma4_unified_text draft is a gemma4_text draft
     if model_type not in ARCH_REGISTRY:
         raise ValueError(
-            f"unknown draft model_type {model_type!r}; supported draft architectures: "
+            f"unknown draft model_type {config.get('model_type')!r}; supported draft architectures: "
             f"{', '.join(sorted(ARCH_REGISTRY))}"
         )
     return ARCH_REGISTRY[model_type]

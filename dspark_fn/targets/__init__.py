@@ -17,15 +17,52 @@ TARGET_REGISTRY: dict[str, TargetAdapter] = {
 }
 
 
+# Multimodal releases (and the text configs inside them) by the text family they run.
+TEXT_FAMILY = {"gemma4": "gemma4_text", "gemma4_unified": "gemma4_text", "gemma4_unified_text": "gemma4_text"}
+
+
+def family_of(model_type: str | None) -> str | None:
+    return TEXT_FAMILY.get(model_type, model_type)
+
+
+def text_model_config(config: dict) -> dict:
+    """The config of the model a target runs: for a multimodal release (the
+    text model under ``text_config``) its text model's, as mlx-lm builds it
+    (a top-level ``vocab_size`` wins; a top-level ``quantization`` applies);
+    any other config as it is."""
+    if config.get("model_type") not in TEXT_FAMILY or "text_config" not in config:
+        return config
+    text = dict(config["text_config"], model_type=family_of(config["model_type"]))
+    for key in ("vocab_size", "quantization"):
+        if key in config:
+            text[key] = config[key]
+    return text
+
+
+def target_module(target_params: dict, key: str) -> dict:
+    """The target's embedding or output head (``{"weight"}``, plus ``scales``
+    and ``biases`` when quantized), for drafts that share them."""
+    model = target_params.get("model", target_params)
+    if key == "lm_head.weight" and "lm_head" in target_params:
+        return target_params["lm_head"]
+    return model["embed_tokens"]
+
+
+def activation_dtype(target_params: dict):
+    """The dtype a target computes in: its embedding's (its scales' when quantized)."""
+    embedding = target_module(target_params, "embed_tokens.weight")
+    return embedding["scales" if "scales" in embedding else "weight"].dtype
+
+
 def register_target(model_type: str, adapter: TargetAdapter) -> None:
     TARGET_REGISTRY[model_type] = adapter
 
 
 def resolve_target(config: dict) -> TargetAdapter:
-    model_type = config.get("model_type")
+    model_type = family_of(config.get("model_type"))
     if model_type not in TARGET_REGISTRY:
         raise ValueError(
-            f"unknown target model_type {model_type!r}; supported target families: "
-            f"{', '.join(sorted(TARGET_REGISTRY))}"
+            f"unknown target model_type {config.get('model_type')!r}; supported target families: "
+            f"{', '.join(sorted(TARGET_REGISTRY))} (and the multimodal releases {', '.join(sorted(TEXT_FAMILY))})"
         )
     return TARGET_REGISTRY[model_type]

@@ -8,7 +8,8 @@ class TargetAdapter(NamedTuple):
 
     spec_from_config(config) -> spec   hashable static description with at least
                                        ``vocab_size``, ``hidden_size``, ``num_layers``
-    init_kv(spec, batch, capacity)     per-layer fixed-capacity KV buffers
+    init_kv(spec, batch, capacity, dtype)  per-layer fixed-capacity KV buffers in the
+                                       target's activation dtype
     forward(spec, params, kv, tokens, start, taps) -> (hidden, features, kv)
         runs ``tokens [B, L]`` at positions ``start[b] + i``; ``hidden`` is the
         final-normed output, ``features`` the concatenated raw outputs of the

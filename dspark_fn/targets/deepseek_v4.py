@@ -124,9 +124,9 @@ def load_params(directory) -> dict:
     return tree_unflatten(tree_flatten(model.language_model.parameters()))
 
 
-def init_kv(spec: DeepseekV4Spec, batch: int, capacity: int) -> list:
+def init_kv(spec: DeepseekV4Spec, batch: int, capacity: int, dtype=mx.float32) -> list:
     """Per layer one latent buffer ``[B, 1, capacity, head_dim]`` (keys are the values)."""
-    return [(mx.zeros((batch, 1, capacity, spec.block.head_dim), mx.float32),) for _ in range(spec.num_layers)]
+    return [(mx.zeros((batch, 1, capacity, spec.block.head_dim), dtype),) for _ in range(spec.num_layers)]
 
 
 # ---- block pieces shared with the draft

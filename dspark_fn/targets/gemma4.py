@@ -118,9 +118,9 @@ def spec_from_config(config: dict) -> Gemma4Spec:
     )
 
 
-def init_kv(spec: Gemma4Spec, batch: int, capacity: int) -> list:
+def init_kv(spec: Gemma4Spec, batch: int, capacity: int, dtype=mx.float32) -> list:
     return [
-        kv_buffers(batch, g.num_kv_heads, capacity, g.head_dim)
+        kv_buffers(batch, g.num_kv_heads, capacity, g.head_dim, dtype)
         for g in spec.geometry[: spec.num_kv_layers]
     ]
 

@@ -52,9 +52,9 @@ def spec_from_config(config: dict) -> LlamaSpec:
     )
 
 
-def init_kv(spec: LlamaSpec, batch: int, capacity: int) -> list:
+def init_kv(spec: LlamaSpec, batch: int, capacity: int, dtype=mx.float32) -> list:
     return [
-        kv_buffers(batch, spec.num_kv_heads, capacity, spec.head_dim)
+        kv_buffers(batch, spec.num_kv_heads, capacity, spec.head_dim, dtype)
         for _ in range(spec.num_layers)
     ]
 
