@@ -257,9 +257,29 @@ def verify(
     ``proposal``), accept at most ``limit[b]`` drafts per row, commit.
 
     ``active`` (default all) marks the rows still generating; the others
-    keep their state. The caller must leave ``width`` free slots per row.
+    keep their state. Every row needs ``width`` free slots; a cache without
+    them raises ``ValueError`` before anything runs (``grow_cache`` makes room).
     """
     _check_width(params.spec, width)
+    check_free_slots(cache, width)
+    return _verify(params, cache, tokens, proposal, width, sampling, limit, active)
+
+
+def check_free_slots(cache: Cache, width: int) -> None:
+    """A verify writes ``width`` rows at every row's length: refuse, before
+    anything runs, a cache that lacks the room (reads the lengths: one sync)."""
+    free = cache.capacity - np.array(cache.length)
+    short = np.flatnonzero(free < width)
+    if short.size:
+        raise ValueError(
+            f"cache row(s) {short.tolist()} have {free[short].tolist()} free slot(s) but a verify of width "
+            f"{width} writes {width}; grow the cache first (dspark_fn.grow_cache(params, cache, capacity)) "
+            f"or allocate a larger one"
+        )
+
+
+def _verify(params, cache, tokens, proposal, width, sampling=GREEDY, limit=None, active=None):
+    """``verify`` without the checks, for the driver (which sizes its cache itself)."""
     batch = tokens.shape[0]
     limit = mx.full((batch,), width - 1, mx.int32) if limit is None else limit
     active = mx.ones((batch,), mx.bool_) if active is None else active
@@ -574,7 +594,7 @@ def generate(
         round_width, limits, confidences = _round_plan(policy, proposal, active)
         if growing:
             cache = grow_cache(params, cache, capacity_for(int(committed[active].max()) + round_width))
-        cache, result = verify(
+        cache, result = _verify(
             params, cache, tokens, proposal if confidences is not None else no_proposal(batch), round_width,
             sampling, mx.array(limits), mx.array(active),
         )

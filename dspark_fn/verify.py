@@ -57,6 +57,20 @@ def accept_greedy(block: mx.array, target_logits: mx.array, limit=None) -> Accep
     return _accepted(block, accepted, next_tokens)
 
 
+def acceptance_run(p_draft: mx.array, q_draft: mx.array, uniforms: mx.array) -> mx.array:
+    """Leading drafts kept: ``x_k`` survives with probability ``min(1, p/q)``
+    (log-probabilities of the drafted tokens, one uniform per slot)."""
+    return leading_run(mx.log(uniforms) < p_draft - q_draft)
+
+
+def correction(p: mx.array, q: mx.array, rejected: mx.array) -> mx.array:
+    """Unnormalised distribution of the target's own token: after a rejection
+    the residual ``max(p - q, 0)``, after a full accept ``p`` itself (the bonus
+    token); ``p`` again where the residual has no mass left."""
+    residual = mx.where(rejected, mx.maximum(p - q, 0), p)
+    return mx.where(residual.sum(axis=-1, keepdims=True) > RESIDUAL_FLOOR, residual, p)
+
+
 def accept_sampled(
     block: mx.array,
     target_logits: mx.array,
@@ -81,16 +95,14 @@ def accept_sampled(
     p_draft = mx.take_along_axis(target[:, :-1], drafts, axis=-1)[..., 0]
     q_draft = mx.take_along_axis(draft_log_probs[:, : width - 1], drafts, axis=-1)[..., 0]
     uniforms = mx.random.uniform(shape=(batch, width - 1), key=uniform_key)
-    run = leading_run(mx.log(uniforms) < p_draft - q_draft)
+    run = acceptance_run(p_draft, q_draft, uniforms)
     accepted = mx.minimum(run, limit)
     rejected = (run < limit)[:, None]
 
     slot = accepted[:, None, None]
     p = mx.exp(mx.take_along_axis(target, slot, axis=1)[:, 0])
-    residual = p
+    q = mx.zeros_like(p)
     if width > 1:  # a rejected slot is always a draft slot, < width - 1
         q = mx.exp(mx.take_along_axis(draft_log_probs, mx.minimum(slot, width - 2), axis=1)[:, 0])
-        residual = mx.where(rejected, mx.maximum(p - q, 0), p)
-    residual = mx.where(residual.sum(axis=-1, keepdims=True) > RESIDUAL_FLOOR, residual, p)
-    next_tokens = mx.random.categorical(mx.log(residual), key=residual_key)
+    next_tokens = mx.random.categorical(mx.log(correction(p, q, rejected)), key=residual_key)
     return _accepted(block, accepted, next_tokens)

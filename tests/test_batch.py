@@ -11,7 +11,9 @@ import pytest
 import dspark_fn
 from dspark_fn import CostCurve, Sampling
 from helpers import (
+    build_bigram_draft,
     build_draft,
+    damp_attention,
     build_target,
     draft_config,
     mlx_lm_greedy,
@@ -75,16 +77,54 @@ def test_finished_rows_stop_while_the_others_go_on(pair, prompts):
     assert any(e.row != 0 and e.kind == "round" for e in events[last_round_of_row_0 + 1 :])
 
 
-def test_speculate_keeps_per_row_lengths(pair, prompts):
-    _, params = pair
+@pytest.fixture(scope="module")
+def accepted_pair(tmp_path_factory):
+    """A damped target its bigram draft predicts often (and not always)."""
+    root = tmp_path_factory.mktemp("batch_accepted")
+    model = damp_attention(root / "target", build_target(root / "target", CONFIG, seed=3, gain=2.0), 0.05)
+    build_bigram_draft(root / "draft", CONFIG, model, [1], layers=1, taps=(0, 1), block_size=4)
+    return model, dspark_fn.load(root / "target", root / "draft")
+
+
+@pytest.mark.parametrize("width", [None, "auto"])
+def test_batched_rows_with_accepted_drafts_equal_the_target(accepted_pair, prompts, width):
+    """Rows accept different numbers of drafts in the same round; each row
+    still decodes exactly the target's greedy stream."""
+    model, params = accepted_pair
+    costs = CostCurve(0.05, {1: 1.0, 2: 1.02, 3: 1.04, 4: 1.06, 5: 1.08})
+    events = list(dspark_fn.generate(params, prompts, NEW_TOKENS, width=width, costs=costs))
+    assert rows_of(events, len(prompts)) == [mlx_lm_greedy(model, p, NEW_TOKENS) for p in prompts]
+    rounds = [e for e in events if e.kind == "round"]
+    assert sum(e.accepted for e in rounds) > len(rounds) // 2
+    per_round = {}
+    for index, event in enumerate(rounds):  # events of one round come in row order
+        if event.row == 0 or index == 0 or event.row <= rounds[index - 1].row:
+            per_round[len(per_round)] = []
+        per_round[len(per_round) - 1].append(event.accepted)
+    assert any(len(set(accepted)) > 1 for accepted in per_round.values()), "no round with uneven acceptance"
+
+
+def test_speculate_commits_each_rows_own_right_prefix(accepted_pair, prompts):
+    """Each row commits its anchor plus the drafts that match the target's
+    greedy continuation of that row, computed apart by mlx-lm."""
+    model, params = accepted_pair
     cache, tokens = dspark_fn.prefill(params, dspark_fn.init_cache(params, len(prompts), 256), prompts)
     assert cache.length.tolist() == list(LENGTHS)
-    for _ in range(3):
+    committed = [list(p) for p in prompts]
+    for _ in range(4):
         before = np.array(cache.length)
+        anchors = tokens.tolist()
         cache, result = dspark_fn.speculate(params, cache, tokens)
+        counts = []
+        for row, (drafted, anchor) in enumerate(zip(result.drafted.tolist(), anchors)):
+            truth = mlx_lm_greedy(model, committed[row] + [anchor], len(drafted))
+            right = next((i for i, (a, b) in enumerate(zip(drafted, truth)) if a != b), len(drafted))
+            counts.append(right + 1)
+            committed[row] += [anchor] + drafted[:right]
+        assert result.count.tolist() == counts
+        assert (np.array(cache.length) == before + np.array(counts)).all()
         tokens = result.next_tokens
-        assert (np.array(cache.length) == before + np.array(result.count)).all()
-        assert (np.array(result.count) == np.array(result.accepted) + 1).all()
+    assert len(set(len(c) - len(p) for c, p in zip(committed, prompts))) > 1  # uneven progress
 
 
 def test_idle_rows_commit_nothing(pair, prompts):

@@ -19,6 +19,7 @@ probability 0.1% per check).
 
 import json
 import math
+import sys
 
 import mlx.core as mx
 import numpy as np
@@ -46,10 +47,11 @@ def models(tmp_path_factory):
     model = build_target(root / "target", CONFIG, seed=0, gain=3.0)
     build_bigram_draft(root / "good", CONFIG, model, PROMPT, scale=1.0, **DRAFT)
     build_bigram_draft(root / "bad", CONFIG, model, PROMPT, scale=-1.0, **DRAFT)
+    build_bigram_draft(root / "flat", CONFIG, model, PROMPT, scale=0.3, **DRAFT)  # right in shape, too flat
     config = json.loads((root / "good" / "config.json").read_text())
     weights = mx.load(str(root / "good" / "model.safetensors"))
     save_draft(root / "reduced", *reduced_checkpoint(config, weights, np.arange(0, 32, 2)))  # even ids only
-    pairs = {name: dspark_fn.load(root / "target", root / name) for name in ("good", "bad", "reduced")}
+    pairs = {name: dspark_fn.load(root / "target", root / name) for name in ("good", "bad", "flat", "reduced")}
     return model, pairs
 
 
@@ -156,6 +158,7 @@ WHOLE_BLOCK = dict(width=None)
 CASES = {
     "good draft": ("good", Sampling(1.0), WHOLE_BLOCK),
     "bad draft": ("bad", Sampling(1.0), WHOLE_BLOCK),
+    "flat draft": ("flat", Sampling(1.0), WHOLE_BLOCK),
     "top-k top-p": ("good", Sampling(0.8, top_k=6, top_p=0.9), WHOLE_BLOCK),
     # a cost curve under which Algorithm 1 picks intermediate widths
     "auto width": ("good", Sampling(1.0), dict(width="auto", costs=CostCurve(0.5, {1: 1.0, 2: 1.1, 3: 1.2, 4: 1.5}))),
@@ -234,3 +237,62 @@ def test_invalid_settings_are_refused(models):
     cache, tokens = dspark_fn.prefill(params, dspark_fn.init_cache(params, 1, 16), PROMPT)
     with pytest.raises(ValueError, match="draft_log_probs"):
         dspark_fn.verify_block(params, cache, mx.array([[tokens.item(), 3]]), sampling=Sampling(1.0))
+
+
+# ---- negative controls: the same harness, broken samplers
+
+VERIFY = sys.modules["dspark_fn.verify"]
+DRIVER = sys.modules["dspark_fn.speculate"]  # the package re-exports functions under the modules' names
+CONTROL_FLOOR = 1e-6
+
+
+def accept_every_draft(p_draft, q_draft, uniforms):
+    return mx.full(p_draft.shape[:1], p_draft.shape[1], mx.int32)
+
+
+def no_residual(p, q, rejected):
+    return p
+
+
+def bonus_from_the_draft(p, q, rejected):
+    residual = mx.maximum(p - q, 0)
+    return mx.where(rejected, residual, mx.where(q.sum(axis=-1, keepdims=True) > 0, q, p))
+
+
+def unfiltered_draft_distribution(logits, sampling):
+    return log_probs(logits, Sampling(sampling.temperature))
+
+
+BROKEN = {
+    "accepts every draft": ("good", Sampling(1.0), VERIFY, "acceptance_run", accept_every_draft),
+    "no residual, good draft": ("good", Sampling(1.0), VERIFY, "correction", no_residual),
+    "no residual, flat draft": ("flat", Sampling(1.0), VERIFY, "correction", no_residual),
+    "bonus drawn from the draft": ("good", Sampling(1.0), VERIFY, "correction", bonus_from_the_draft),
+    "draft distribution left unfiltered": (
+        "good", Sampling(0.8, top_k=6, top_p=0.9), DRIVER, "log_probs", unfiltered_draft_distribution,
+    ),
+}
+
+
+def clear_kernels():
+    DRIVER._draft_kernel.cache_clear()
+    DRIVER._verify_kernel.cache_clear()
+
+
+@pytest.mark.parametrize("name", sorted(BROKEN))
+def test_the_harness_rejects_broken_samplers(models, monkeypatch, name):
+    """Each broken rule is rejected far below the floor a correct sampler
+    clears: the harness has the power the passing tests rely on."""
+    model, pairs = models
+    draft, sampling, module, attribute, broken = BROKEN[name]
+    monkeypatch.setattr(module, attribute, broken)
+    clear_kernels()
+    try:
+        outcomes, _ = sampled_streams(pairs[draft], sampling, seed=len(name), width=None)
+    finally:
+        monkeypatch.undo()
+        clear_kernels()
+    pit = pit_values(model, outcomes, sampling, seed=len(name))
+    p_values = [chi_square_p_value(first_three_counts(outcomes), exact_first_three(model, sampling))]
+    p_values += [uniform_p_value(pit[:, position]) for position in range(TOKENS)]
+    assert min(p_values) < CONTROL_FLOOR, f"{name}: smallest p = {min(p_values):.2e}"
