@@ -19,14 +19,15 @@ class Cache(NamedTuple):
              committed context rows; its layout belongs to the architecture).
     length:  ``[B] int32``, committed positions per row. The pending anchor
              token (threaded separately as ``tokens``) sits at ``length``.
-    rng:     ``mx.random`` key of the whole batch, split once per round, so a
-             run is reproducible from its seed and the round stays pure.
+    seeds:   ``[B] uint32``, each row's random seed: its draws are a pure
+             function of its seed and its length (``noise.py``), so a run is
+             reproducible and a row's samples do not depend on the others.
     """
 
     target: list
     draft: Any
     length: mx.array
-    rng: mx.array
+    seeds: mx.array
 
     @property
     def capacity(self) -> int:

@@ -3,12 +3,16 @@
 The same transform (temperature, then top-k, then top-p) is applied to the
 target's logits and to the draft's Markov-corrected logits, so rejection
 sampling compares the two distributions the tokens were really drawn from.
-Settings are static: each distinct ``Sampling`` is its own compiled kernel.
+Each row of a batch has its own settings (``RowSampling``, arrays); a kernel
+is compiled per ``Mode`` only (which kinds of rows and filters a batch has).
 """
 
 from dataclasses import dataclass
+from typing import NamedTuple, Sequence
 
 import mlx.core as mx
+
+from .noise import gumbel_argmax
 
 GREEDY_BELOW = 1e-5  # temperatures under this mean argmax (DeepSpec's cut)
 
@@ -37,40 +41,91 @@ class Sampling:
 GREEDY = Sampling()
 
 
-def keep_top_k(scores: mx.array, k: int) -> mx.array:
-    """Mask all but the ``k`` largest scores (ties with the k-th are kept)."""
-    if not 0 < k < scores.shape[-1]:
-        return scores
-    kth = mx.topk(scores, k, axis=-1).min(axis=-1, keepdims=True)
-    return mx.where(scores >= kth, scores, -mx.inf)
+class RowSampling(NamedTuple):
+    """Each row's settings as ``[B]`` arrays (temperature 0: greedy; top_k 0
+    and top_p 1: off), so rows with different settings share one kernel."""
+
+    temperature: mx.array
+    top_k: mx.array
+    top_p: mx.array
 
 
-def keep_top_p(scores: mx.array, p: float) -> mx.array:
-    """Keep the most likely tokens until their mass reaches ``p`` (the nucleus).
+@dataclass(frozen=True)
+class Mode:
+    """What a batch's settings ask a kernel to compute: its compile key."""
 
-    A token is kept when the mass of the tokens ranked above it is below
-    ``p``; the most likely token is always kept.
-    """
-    if p >= 1:
-        return scores
+    greedy: bool = True  # some row takes the argmax
+    sampled: bool = False  # some row draws
+    top_k: bool = False  # some drawing row filters by top-k
+    top_p: bool = False  # some drawing row filters by top-p
+
+
+def batch_sampling(sampling: "Sampling | Sequence[Sampling]", rows: int) -> tuple[RowSampling, Mode]:
+    """One ``Sampling`` for every row, or one per row -> arrays and mode."""
+    settings = [sampling] * rows if isinstance(sampling, Sampling) else list(sampling)
+    if len(settings) != rows:
+        raise ValueError(f"{len(settings)} sampling settings for {rows} rows")
+    drawing = [s for s in settings if not s.greedy]
+    mode = Mode(
+        greedy=len(drawing) < rows,
+        sampled=bool(drawing),
+        top_k=any(0 < s.top_k for s in drawing),
+        top_p=any(s.top_p < 1 for s in drawing),
+    )
+    arrays = RowSampling(
+        mx.array([0.0 if s.greedy else s.temperature for s in settings], mx.float32),
+        mx.array([s.top_k for s in settings], mx.int32),
+        mx.array([s.top_p for s in settings], mx.float32),
+    )
+    return arrays, mode
+
+
+def _per_row(values: mx.array, like: mx.array) -> mx.array:
+    """``[B]`` -> broadcastable against ``like [B, ..., V]``."""
+    return values.reshape(values.shape[0], *([1] * (like.ndim - 1)))
+
+
+def keep_top_k(scores: mx.array, k: mx.array) -> mx.array:
+    """Mask all but each row's ``k`` largest scores (ties with the k-th are
+    kept; ``k`` 0 keeps everything)."""
+    ranked = -mx.sort(-scores, axis=-1)
+    k = _per_row(k, scores)
+    kth = mx.take_along_axis(ranked, mx.broadcast_to(mx.clip(k - 1, 0, scores.shape[-1] - 1), (*scores.shape[:-1], 1)), -1)
+    return mx.where((k == 0) | (scores >= kth), scores, -mx.inf)
+
+
+def keep_top_p(scores: mx.array, p: mx.array) -> mx.array:
+    """Keep each row's most likely tokens until their mass reaches ``p`` (the
+    nucleus): a token is kept when the mass ranked above it is below ``p``;
+    the most likely token is always kept."""
     ranked = -mx.sort(-scores, axis=-1)
     probs = mx.softmax(ranked, axis=-1)
     mass_above = mx.cumsum(probs, axis=-1) - probs
-    kept = (mass_above < p).sum(axis=-1, keepdims=True)
+    kept = (mass_above < _per_row(p, scores)).sum(axis=-1, keepdims=True)
     cutoff = mx.take_along_axis(ranked, kept - 1, axis=-1)
-    return mx.where(scores >= cutoff, scores, -mx.inf)
+    return mx.where((scores >= cutoff) | (_per_row(p, scores) >= 1), scores, -mx.inf)
 
 
-def log_probs(logits: mx.array, sampling: Sampling) -> mx.array:
-    """Log-probabilities ``[..., V]`` of the distribution ``sampling`` draws from
-    (not for greedy, whose distribution is the argmax)."""
-    scores = logits.astype(mx.float32) / sampling.temperature
-    scores = keep_top_p(keep_top_k(scores, sampling.top_k), sampling.top_p)
+def log_probs(logits: mx.array, rows: RowSampling, mode: Mode) -> mx.array:
+    """Log-probabilities ``[B, ..., V]`` of the distribution each drawing row
+    samples from (temperature, then top-k, then top-p); greedy rows get their
+    untempered softmax, which no rule reads."""
+    temperature = _per_row(rows.temperature, logits)
+    scores = logits.astype(mx.float32) / mx.where(temperature > 0, temperature, 1.0)
+    if mode.top_k:
+        scores = keep_top_k(scores, rows.top_k)
+    if mode.top_p:
+        scores = keep_top_p(scores, rows.top_p)
     return scores - mx.logsumexp(scores, axis=-1, keepdims=True)
 
 
-def choose(logits: mx.array, sampling: Sampling, key: mx.array) -> mx.array:
-    """One token per row of ``logits [..., V]``: argmax when greedy, else a draw."""
-    if sampling.greedy:
-        return mx.argmax(logits, axis=-1).astype(mx.int32)
-    return mx.random.categorical(log_probs(logits, sampling), key=key).astype(mx.int32)
+def choose(logits: mx.array, rows: RowSampling, mode: Mode, uniforms: mx.array | None) -> mx.array:
+    """One token per row of ``logits [B, ..., V]``: the argmax for greedy rows,
+    a draw (Gumbel-max over ``uniforms`` of the same shape) for the others."""
+    best = mx.argmax(logits, axis=-1).astype(mx.int32)
+    if not mode.sampled:
+        return best
+    drawn = gumbel_argmax(log_probs(logits, rows, mode), uniforms)
+    if not mode.greedy:
+        return drawn
+    return mx.where(_per_row(rows.temperature, best) > 0, drawn, best)

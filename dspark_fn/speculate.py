@@ -21,11 +21,13 @@ from mlx.utils import tree_flatten, tree_map
 from .cache import Cache
 from .drafts.base import DraftArch
 from .drafts.heads import DRAFT_VOCAB_KEY, draft_chain
-from .sampling import GREEDY, Sampling, choose, log_probs
+from . import noise
+from .noise import row_seeds, uniforms
+from .sampling import GREEDY, Mode, RowSampling, Sampling, batch_sampling, choose, log_probs
 from .schedule import CostCurve, VerifyPolicy, cached_costs, cost_key, fastest_seconds, monotone, width_buckets
 from .targets import activation_dtype
 from .targets.base import TargetAdapter
-from .verify import Accepted, accept_greedy, accept_sampled
+from .verify import Accepted, accept
 
 PREFILL_CHUNK = 64
 CAPACITY_BUCKET = 256
@@ -79,12 +81,13 @@ class Round(NamedTuple):
 
 
 def init_cache(params: Params, batch_size: int, capacity: int, seed: int = 0) -> Cache:
+    """An empty cache; row b draws with the seed ``noise.row_seeds(seed, B)[b]``."""
     spec = params.spec
     return Cache(
         target=spec.target_adapter.init_kv(spec.target, batch_size, capacity, activation_dtype(params.target)),
         draft=spec.draft_arch.init_context(spec.draft, batch_size, capacity),
         length=mx.zeros((batch_size,), mx.int32),
-        rng=mx.random.key(seed),
+        seeds=row_seeds(seed, batch_size),
     )
 
 
@@ -107,24 +110,18 @@ def grow_cache(params: Params, cache: Cache, capacity: int) -> Cache:
         tree_map(keep, fresh.target, cache.target),
         tree_map(keep, fresh.draft, cache.draft),
         cache.length,
-        cache.rng,
+        cache.seeds,
     )
 
 
-class RoundKeys(NamedTuple):
-    following: mx.array  # the cache's key for the next round
-    draft: mx.array
-    verify: mx.array
-
-
-def round_keys(rng: mx.array) -> RoundKeys:
-    """This round's independent keys; the draft and verify kernels derive the same ones."""
-    return RoundKeys(*mx.random.split(rng, 3))
-
-
-def draft_block(params: Params, cache: Cache, tokens: mx.array, sampling: Sampling = GREEDY) -> Proposal:
+def draft_block(params: Params, cache: Cache, tokens: mx.array, sampling=GREEDY) -> Proposal:
     """Draft a block after the anchors ``tokens [B]``: the Markov chain picks
-    each slot by argmax, or draws it from ``sampling``'s distribution."""
+    each slot by argmax, or draws it from the row's ``sampling`` distribution
+    (one ``Sampling`` for all rows or one per row)."""
+    return _draft_block(params, cache, tokens, *batch_sampling(sampling, tokens.shape[0]))
+
+
+def _draft_block(params: Params, cache: Cache, tokens: mx.array, rows: RowSampling, mode: Mode) -> Proposal:
     spec = params.spec
     batch = tokens.shape[0]
     mask = mx.full((batch, spec.block_size - 1), spec.draft.mask_token_id, tokens.dtype)
@@ -132,17 +129,17 @@ def draft_block(params: Params, cache: Cache, tokens: mx.array, sampling: Sampli
     base, hidden = spec.draft_arch.block_forward(
         spec.draft, params.draft, cache.draft, cache.length, block_ids
     )
-    slot_keys = mx.random.split(round_keys(cache.rng).draft, spec.block_size)
     vocab = params.draft.get(DRAFT_VOCAB_KEY)  # target id of each draft-vocabulary entry
 
     def pick(logits, slot):
-        choice = choose(logits, sampling, slot_keys[slot])
+        draws = uniforms(cache.seeds, cache.length, noise.DRAFT_SLOT + slot, logits.shape[1:]) if mode.sampled else None
+        choice = choose(logits, rows, mode, draws)
         return (choice if vocab is None else vocab[choice]).astype(tokens.dtype)
 
     drafted, logits, confidence = draft_chain(spec.draft, params.draft, base, hidden, tokens, pick)
-    if sampling.greedy:
+    if not mode.sampled:
         return Proposal(drafted, logits, confidence, base, hidden, logits)
-    distribution = log_probs(logits, sampling)
+    distribution = log_probs(logits, rows, mode)
     if vocab is not None:  # no mass outside the draft vocabulary
         full = mx.full((*distribution.shape[:-1], spec.target.vocab_size), -mx.inf, distribution.dtype)
         full[..., vocab] = distribution
@@ -163,8 +160,9 @@ def verify_and_commit(
     params: Params,
     cache: Cache,
     block: mx.array,
-    draft_log_probs: mx.array | None = None,
-    sampling: Sampling = GREEDY,
+    draft_log_probs: mx.array | None,
+    rows: RowSampling,
+    mode: Mode,
     limit: mx.array | None = None,
     active: mx.array | None = None,
 ) -> tuple[Cache, Accepted]:
@@ -181,37 +179,41 @@ def verify_and_commit(
         spec.target, params.target, cache.target, block, cache.length, spec.taps
     )
     logits = adapter.logits(spec.target, params.target, hidden)
-    keys = round_keys(cache.rng)
-    if sampling.greedy:
-        verdict = accept_greedy(block, logits, limit)
-    else:
-        verdict = accept_sampled(block, logits, draft_log_probs, sampling, keys.verify, limit)
+    batch, width = block.shape
+
+    def draws():
+        return (
+            uniforms(cache.seeds, cache.length, noise.ACCEPT, (width - 1,)),
+            uniforms(cache.seeds, cache.length, noise.CORRECTION, (logits.shape[-1],)),
+        )
+
+    verdict = accept(block, logits, draft_log_probs, rows, mode, draws, limit)
     if active is not None:
         verdict = _idle_rows_unchanged(verdict, block, active)
     draft_state = spec.draft_arch.extend_context(
         spec.draft, params.draft, cache.draft, features, cache.length
     )
     committed = verdict.accepted + 1 if active is None else mx.where(active, verdict.accepted + 1, 0)
-    return Cache(target_kv, draft_state, cache.length + committed, keys.following), verdict
+    return Cache(target_kv, draft_state, cache.length + committed, cache.seeds), verdict
 
 
 @lru_cache(maxsize=None)
-def _draft_kernel(spec: PairSpec, sampling: Sampling):
-    def draft_(target, draft, cache, tokens):
+def _draft_kernel(spec: PairSpec, mode: Mode):
+    def draft_(target, draft, cache, tokens, rows):
         TRACE_COUNTS["draft"] += 1
-        return tuple(draft_block(Params(spec, target, draft), Cache(*cache), tokens, sampling))
+        return tuple(_draft_block(Params(spec, target, draft), Cache(*cache), tokens, RowSampling(*rows), mode))
 
     return mx.compile(draft_)
 
 
 @lru_cache(maxsize=None)
-def _verify_kernel(spec: PairSpec, width: int, sampling: Sampling):
-    def verify_(target, draft, cache, tokens, drafts, draft_log_probs, confidence_logits, limit, active):
+def _verify_kernel(spec: PairSpec, width: int, mode: Mode):
+    def verify_(target, draft, cache, tokens, drafts, draft_log_probs, confidence_logits, rows, limit, active):
         TRACE_COUNTS["verify"] += 1
         block = mx.concatenate([tokens[:, None], drafts[:, : width - 1]], axis=1)
         before = Cache(*cache)
         cache, verdict = verify_and_commit(
-            Params(spec, target, draft), before, block, draft_log_probs, sampling, limit, active
+            Params(spec, target, draft), before, block, draft_log_probs, RowSampling(*rows), mode, limit, active
         )
         result = Round(
             emitted=verdict.emitted,
@@ -231,10 +233,11 @@ def _check_width(spec: PairSpec, width: int) -> None:
         raise ValueError(f"verify width {width} must be in 1..{spec.block_size + 1}")
 
 
-def propose(params: Params, cache: Cache, tokens: mx.array, sampling: Sampling = GREEDY) -> Proposal:
+def propose(params: Params, cache: Cache, tokens: mx.array, sampling=GREEDY) -> Proposal:
     """The compiled ``draft_block``."""
-    kernel = _draft_kernel(params.spec, sampling)
-    return Proposal(*kernel(params.target, params.draft, tuple(cache), tokens))
+    rows, mode = batch_sampling(sampling, tokens.shape[0])
+    kernel = _draft_kernel(params.spec, mode)
+    return Proposal(*kernel(params.target, params.draft, tuple(cache), tokens, tuple(rows)))
 
 
 def no_proposal(batch_size: int) -> Proposal:
@@ -249,7 +252,8 @@ def verify(
     tokens: mx.array,
     proposal: Proposal,
     width: int,
-    sampling: Sampling = GREEDY,
+    *,
+    sampling=GREEDY,
     limit: mx.array | None = None,
     active: mx.array | None = None,
 ) -> tuple[Cache, Round]:
@@ -262,7 +266,7 @@ def verify(
     """
     _check_width(params.spec, width)
     check_free_slots(cache, width)
-    return _verify(params, cache, tokens, proposal, width, sampling, limit, active)
+    return _verify(params, cache, tokens, proposal, width, *batch_sampling(sampling, tokens.shape[0]), limit, active)
 
 
 def check_free_slots(cache: Cache, width: int) -> None:
@@ -278,15 +282,15 @@ def check_free_slots(cache: Cache, width: int) -> None:
         )
 
 
-def _verify(params, cache, tokens, proposal, width, sampling=GREEDY, limit=None, active=None):
+def _verify(params, cache, tokens, proposal, width, rows: RowSampling, mode: Mode, limit=None, active=None):
     """``verify`` without the checks, for the driver (which sizes its cache itself)."""
     batch = tokens.shape[0]
     limit = mx.full((batch,), width - 1, mx.int32) if limit is None else limit
     active = mx.ones((batch,), mx.bool_) if active is None else active
-    kernel = _verify_kernel(params.spec, width, sampling)
+    kernel = _verify_kernel(params.spec, width, mode)
     cache, result = kernel(
         params.target, params.draft, tuple(cache), tokens,
-        proposal.tokens, proposal.log_probs, proposal.confidence_logits, limit, active,
+        proposal.tokens, proposal.log_probs, proposal.confidence_logits, tuple(rows), limit, active,
     )
     return Cache(*cache), Round(*result)
 
@@ -295,29 +299,32 @@ def speculate(
     params: Params,
     cache: Cache,
     tokens: mx.array,
+    *,
     width: int | None = None,
-    sampling: Sampling = GREEDY,
+    sampling=GREEDY,
     limit: mx.array | None = None,
     active: mx.array | None = None,
 ) -> tuple[Cache, Round]:
     """One DSpark round from the anchors ``tokens [B]``: draft, verify ``width``
-    tokens (anchor + ``width - 1`` drafts), accept, commit.
+    tokens (anchor + ``width - 1`` drafts), accept, commit. ``sampling`` is one
+    ``Sampling`` for every row or one per row.
 
     Returns ``(cache, Round)``; ``Round.next_tokens`` are the next anchors.
-    Nothing is synchronised with the host.
+    Only the room check reads from the device.
     """
     width = params.spec.block_size + 1 if width is None else width
     _check_width(params.spec, width)
     proposal = propose(params, cache, tokens, sampling) if width > 1 else no_proposal(tokens.shape[0])
-    return verify(params, cache, tokens, proposal, width, sampling, limit, active)
+    return verify(params, cache, tokens, proposal, width, sampling=sampling, limit=limit, active=active)
 
 
 def verify_block(
     params: Params,
     cache: Cache,
     block: mx.array,
+    *,
     draft_log_probs: mx.array | None = None,
-    sampling: Sampling = GREEDY,
+    sampling=GREEDY,
 ):
     """Verify a caller-chosen ``block [B, W] = [anchor, proposals...]`` and commit.
 
@@ -327,13 +334,13 @@ def verify_block(
     """
     batch, width = block.shape
     if draft_log_probs is None:
-        if not sampling.greedy:
+        if batch_sampling(sampling, batch)[1].sampled:
             raise ValueError("rejection sampling needs draft_log_probs, the distribution the proposals came from")
         draft_log_probs = mx.zeros((batch, width - 1, params.spec.target.vocab_size))
     proposal = Proposal(
         block[:, 1:], None, mx.zeros((batch, width - 1)), None, None, draft_log_probs
     )
-    return verify(params, cache, block[:, 0], proposal, width, sampling)
+    return verify(params, cache, block[:, 0], proposal, width, sampling=sampling)
 
 
 @lru_cache(maxsize=None)
@@ -372,12 +379,12 @@ def _distinct_rows(rows: list[list[int]]) -> tuple[list[list[int]], list[int]]:
     return [list(r) for r in first_seen], source
 
 
-def prefill(params: Params, cache: Cache, prompt, sampling: Sampling = GREEDY, chunk_size: int | None = None):
+def prefill(params: Params, cache: Cache, prompt, *, sampling=GREEDY, chunk_size: int | None = None):
     """Run the prompt(s) through the target in fixed chunks and seed the draft context.
 
     ``prompt`` is a token list, a list of token lists (one per batch row, any
     lengths) or an int array. Returns ``(cache, tokens)``: the first generated
-    token of each row (argmax, or a draw under ``sampling``), the first anchor.
+    token of each row (argmax, or a draw under the row's ``sampling``), the first anchor.
     A prompt repeated over several rows (n samples of one prompt) is run
     once and its cache rows copied. Chunks hold ``PREFILL_CHUNK`` tokens, or
     the capacity when that is smaller.
@@ -411,9 +418,10 @@ def prefill(params: Params, cache: Cache, prompt, sampling: Sampling = GREEDY, c
     if len(distinct) < len(rows):
         index = mx.array(source)
         state, last_logits = tree_map(lambda a: a[index], (state, last_logits))
-    rng, key = mx.random.split(cache.rng)
     lengths = mx.array([len(r) for r in rows], mx.int32)
-    return Cache(state[0], state[1], lengths, rng), choose(last_logits, sampling, key)
+    sampled_rows, mode = batch_sampling(sampling, len(rows))
+    draws = uniforms(cache.seeds, lengths, noise.PREFILL, (vocab,)) if mode.sampled else None
+    return Cache(state[0], state[1], lengths, cache.seeds), choose(last_logits, sampled_rows, mode, draws)
 
 
 class Event(NamedTuple):
@@ -452,16 +460,18 @@ def _truncate(tokens: list, stop_tokens, budget: int) -> tuple[list, bool]:
 COST_CAPACITY = 512  # cost curves are measured at this context (a typical chat turn)
 
 
-def measure_costs(params: Params, batch_size: int, widths, sampling: Sampling = GREEDY) -> CostCurve:
+def measure_costs(params: Params, batch_size: int, widths, sampling=GREEDY) -> CostCurve:
     """Time the draft kernel and the verify kernel of each width on this machine."""
     cache = init_cache(params, batch_size, COST_CAPACITY)
     cache = cache._replace(length=mx.full((batch_size,), COST_CAPACITY // 2, mx.int32))
     tokens = mx.zeros((batch_size,), mx.int32)
     proposal = propose(params, cache, tokens, sampling)
-    runs = {
-        width: lambda width=width: verify(params, cache, tokens, proposal if width > 1 else no_proposal(batch_size), width, sampling)
-        for width in widths
-    }
+
+    def verify_round(width):
+        source = proposal if width > 1 else no_proposal(batch_size)
+        return verify(params, cache, tokens, source, width, sampling=sampling)
+
+    runs = {width: lambda width=width: verify_round(width) for width in widths}
     seconds = fastest_seconds(runs | {"draft": lambda: propose(params, cache, tokens, sampling)})
     return CostCurve(seconds.pop("draft"), monotone(seconds))
 
@@ -477,7 +487,8 @@ def verify_policy(
     params: Params,
     width,
     batch_size: int,
-    sampling: Sampling = GREEDY,
+    *,
+    sampling=GREEDY,
     confidence_threshold: float = 0.0,
     costs: CostCurve | None = None,
 ) -> VerifyPolicy:
@@ -493,7 +504,7 @@ def verify_policy(
     _check_width(spec, widest)
     buckets = width_buckets(spec.block_size, widest)
     if auto and costs is None:
-        key = cost_key(model_signature(params), batch_size, COST_CAPACITY, sampling)
+        key = cost_key(model_signature(params), batch_size, COST_CAPACITY, batch_sampling(sampling, batch_size)[1])
         costs = cached_costs(key, lambda: measure_costs(params, batch_size, buckets, sampling))
     return VerifyPolicy(widest, buckets, confidence_threshold, costs if auto else None)
 
@@ -541,10 +552,11 @@ def generate(
     params: Params,
     prompt,
     max_new_tokens: int,
+    *,
     width: int | str | None = "auto",
     stop_tokens: Sequence[int] = (),
     capacity: int | None = None,
-    sampling: Sampling = GREEDY,
+    sampling=GREEDY,
     seed: int = 0,
     confidence_threshold: float = 0.0,
     costs: CostCurve | None = None,
@@ -555,7 +567,9 @@ def generate(
     ``width``: "auto" (default: draft only when the measured acceptance and
     costs say it pays, then Algorithm 1 picks the length), an int (fixed) or
     None (block size + 1); with ``confidence_threshold`` each row's proposal
-    ends at its first slot with a lower confidence. Greedy output equals
+    ends at its first slot with a lower confidence. ``sampling`` is one
+    ``Sampling`` for every row or one per row; row b draws with its own
+    seed (derived from ``seed`` and b). Greedy output equals
     greedy decoding of the target alone, row by row; sampled output is
     distributed as sampling the target alone. Rows that finish stop
     emitting while the others go on. ``capacity`` fixes the cache size;
@@ -570,7 +584,10 @@ def generate(
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be at least 1")
     batch = len(rows)
-    policy = verify_policy(params, width, batch, sampling, confidence_threshold, costs)
+    rows_sampling, mode = batch_sampling(sampling, batch)
+    policy = verify_policy(
+        params, width, batch, sampling=sampling, confidence_threshold=confidence_threshold, costs=costs
+    )
     growing = capacity is None
     capacity = _initial_capacity(rows, max_new_tokens, policy.max_width, capacity)
     gate = policy.gate()
@@ -580,7 +597,7 @@ def generate(
         drafting = policy.max_width > 1 and (gate is None or gate.draft_next())
         return propose(params, cache, tokens, sampling) if drafting else None
 
-    cache, tokens = prefill(params, init_cache(params, batch, capacity, seed), rows, sampling)
+    cache, tokens = prefill(params, init_cache(params, batch, capacity, seed), rows, sampling=sampling)
     proposal = next_proposal(cache, tokens)
     mx.eval(tokens, proposal)
     committed = np.array([len(r) for r in rows])
@@ -596,7 +613,7 @@ def generate(
             cache = grow_cache(params, cache, capacity_for(int(committed[active].max()) + round_width))
         cache, result = _verify(
             params, cache, tokens, proposal if confidences is not None else no_proposal(batch), round_width,
-            sampling, mx.array(limits), mx.array(active),
+            rows_sampling, mode, mx.array(limits), mx.array(active),
         )
         tokens = result.next_tokens
         proposal = next_proposal(cache, tokens)

@@ -10,7 +10,8 @@ from typing import NamedTuple
 
 import mlx.core as mx
 
-from .sampling import Sampling, log_probs
+from .noise import gumbel_argmax
+from .sampling import Mode, RowSampling, log_probs
 
 RESIDUAL_FLOOR = 1e-8  # below this residual mass, fall back to the target distribution
 
@@ -75,27 +76,28 @@ def accept_sampled(
     block: mx.array,
     target_logits: mx.array,
     draft_log_probs: mx.array,
-    sampling: Sampling,
-    key: mx.array,
+    rows: RowSampling,
+    mode: Mode,
+    accept_uniforms: mx.array,
+    correction_uniforms: mx.array,
     limit=None,
 ) -> Accepted:
     """Rejection sampling (Leviathan et al. / Chen et al.): the emitted tokens
-    are distributed exactly as sampling the target alone under ``sampling``.
+    are distributed exactly as sampling the target alone under each row's settings.
 
     Draft ``x_k`` (drawn from ``q_k = exp(draft_log_probs[:, k-1])``) is kept
-    with probability ``min(1, p_k(x_k) / q_k(x_k))``; at the first rejection the
-    next token is drawn from ``normalize(max(p - q, 0))`` at that slot, after a
-    full accept from ``p`` at the slot after the last kept draft.
+    with probability ``min(1, p_k(x_k) / q_k(x_k))`` (``accept_uniforms [B, W-1]``);
+    at the first rejection the next token is drawn from ``normalize(max(p - q, 0))``
+    at that slot, after a full accept from ``p`` at the slot after the last kept
+    draft (Gumbel-max over ``correction_uniforms [B, V]``).
     """
-    batch, width = block.shape
+    width = block.shape[1]
     limit = _full_limit(block, limit)
-    uniform_key, residual_key = mx.random.split(key)
-    target = log_probs(target_logits, sampling)  # [B, W, V]
+    target = log_probs(target_logits, rows, mode)  # [B, W, V]
     drafts = block[:, 1:, None]
     p_draft = mx.take_along_axis(target[:, :-1], drafts, axis=-1)[..., 0]
     q_draft = mx.take_along_axis(draft_log_probs[:, : width - 1], drafts, axis=-1)[..., 0]
-    uniforms = mx.random.uniform(shape=(batch, width - 1), key=uniform_key)
-    run = acceptance_run(p_draft, q_draft, uniforms)
+    run = acceptance_run(p_draft, q_draft, accept_uniforms)
     accepted = mx.minimum(run, limit)
     rejected = (run < limit)[:, None]
 
@@ -104,5 +106,19 @@ def accept_sampled(
     q = mx.zeros_like(p)
     if width > 1:  # a rejected slot is always a draft slot, < width - 1
         q = mx.exp(mx.take_along_axis(draft_log_probs, mx.minimum(slot, width - 2), axis=1)[:, 0])
-    next_tokens = mx.random.categorical(mx.log(correction(p, q, rejected)), key=residual_key)
+    next_tokens = gumbel_argmax(mx.log(correction(p, q, rejected)), correction_uniforms)
     return _accepted(block, accepted, next_tokens)
+
+
+def accept(block, target_logits, draft_log_probs, rows: RowSampling, mode: Mode, uniforms, limit=None) -> Accepted:
+    """Each row's rule: greedy rows keep matching drafts, drawing rows reject
+    by sampling. ``uniforms()`` -> ``(accept [B, W-1], correction [B, V])``,
+    called only when some row draws."""
+    if not mode.sampled:
+        return accept_greedy(block, target_logits, limit)
+    sampled = accept_sampled(block, target_logits, draft_log_probs, rows, mode, *uniforms(), limit)
+    if not mode.greedy:
+        return sampled
+    greedy = accept_greedy(block, target_logits, limit)
+    drawing = rows.temperature > 0
+    return Accepted(*(mx.where(drawing.reshape(-1, *[1] * (g.ndim - 1)), s, g) for g, s in zip(greedy, sampled)))

@@ -44,7 +44,7 @@ def block_forward(spec, params, state, length, block_ids):
     visible = prefix_mask(length, state.shape[2])[:, 0, 0, :, None]  # [B, C, 1]
     context = (state[:, 0] * visible).sum(axis=1) / mx.maximum(length, 1)[:, None]
     slot = positions_from(mx.zeros_like(length), block_ids.shape[1])[..., None] / block_ids.shape[1]
-    h = ops.embed(params["embed_tokens"], block_ids) + context[:, None] * (1 + slot)
+    h = ops.embed(params["embed_tokens"], block_ids, spec.hidden_size) + context[:, None] * (1 + slot)
     hidden = ops.rms_norm(ops.linear(params["mix"], h), params["norm"]["weight"], 1e-6)
     return ops.linear(params["lm_head"], hidden), hidden
 

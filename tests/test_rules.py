@@ -8,7 +8,8 @@ import pytest
 
 from dspark_fn import ops
 from dspark_fn.cache import block_mask, causal_mask, prefix_mask, write_rows
-from dspark_fn.sampling import Sampling
+from dspark_fn.noise import row_seeds, uniforms
+from dspark_fn.sampling import Mode, Sampling, batch_sampling, choose, log_probs
 from dspark_fn.verify import accept_greedy, accept_sampled, correction, emitted_tokens, leading_run
 
 V = 6
@@ -59,18 +60,42 @@ def test_correction_is_the_residual_after_a_rejection_and_p_after_a_full_accept(
 
 
 def test_accept_sampled_keeps_a_draft_equal_to_the_target_and_drops_an_impossible_one():
-    sampling = Sampling(1.0)
+    rows, mode = batch_sampling(Sampling(1.0), 1)
     logits = mx.array(np.log(np.full((1, 3, V), 1 / V, np.float32)))
     block = mx.array([[0, 2, 4]])
     q = mx.broadcast_to(mx.log(mx.array(1 / V)), (1, 2, V))
-    for seed in range(20):  # q = p: every draft is kept
-        verdict = accept_sampled(block, logits, q, sampling, mx.random.key(seed))
-        assert verdict.accepted.tolist() == [2]
-    impossible = np.full((1, 3, V), 0.0, np.float32)
-    impossible[:, :, 2] = -1e9  # the target never picks 2, the first draft
-    for seed in range(20):
-        verdict = accept_sampled(block, mx.array(impossible), q, sampling, mx.random.key(seed))
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        accept_u, correction_u = (mx.array(rng.uniform(size=shape), mx.float32) for shape in ((1, 2), (1, V)))
+        verdict = accept_sampled(block, logits, q, rows, mode, accept_u, correction_u)
+        assert verdict.accepted.tolist() == [2]  # q = p: every draft is kept
+        impossible = np.zeros((1, 3, V), np.float32)
+        impossible[:, :, 2] = -1e9  # the target never picks 2, the first draft
+        verdict = accept_sampled(block, mx.array(impossible), q, rows, mode, accept_u, correction_u)
         assert verdict.accepted.tolist() == [0] and verdict.next_tokens.tolist() != [2]
+
+
+def test_per_row_settings_mix_greedy_and_drawing_rows():
+    rows, mode = batch_sampling([Sampling(), Sampling(1.0, top_k=1), Sampling(2.0)], 3)
+    assert mode == Mode(greedy=True, sampled=True, top_k=True, top_p=False)
+    logits = mx.array([[0.0, 3.0, 1.0]] * 3)
+    u = mx.array(np.random.default_rng(1).uniform(size=(3, 3)), mx.float32)
+    picked = choose(logits, rows, mode, u).tolist()
+    assert picked[:2] == [1, 1]  # greedy, and top-1 sampling
+    probs = np.exp(np.array(log_probs(logits, rows, mode)))
+    assert np.allclose(probs[1], [0, 1, 0]) and np.allclose(probs[2], np.exp([0, 1.5, 0.5]) / np.exp([0, 1.5, 0.5]).sum())
+
+
+def test_row_noise_depends_on_the_row_seed_and_position_only():
+    seeds = row_seeds(7, 3)
+    position = mx.array([5, 5, 9])
+    alone = uniforms(seeds[1:2], position[1:2], 3, (4,))
+    together = uniforms(seeds, position, 3, (4,))
+    assert np.array_equal(np.array(alone)[0], np.array(together)[1])
+    assert not np.array_equal(np.array(together)[0], np.array(together)[1])
+    assert not np.array_equal(np.array(uniforms(seeds, position + 1, 3, (4,))), np.array(together))
+    values = np.array(uniforms(row_seeds(0, 64), mx.zeros((64,), mx.int32), 1, (1000,))).ravel()
+    assert 0 < values.min() and values.max() < 1 and abs(values.mean() - 0.5) < 0.01
 
 
 def test_masks():

@@ -13,8 +13,9 @@
   uniform on [0, 1) and independent across positions iff the sampler is
   right; chi-square of ``u`` over 20 equal bins at each position.
 
-A test fails when p < 1e-3 (a correct sampler fails a given run with
-probability 0.1% per check).
+A check fails when p < 1e-5: the file runs about a hundred checks, so a
+correct sampler fails a run with probability about 0.1%. The broken
+samplers at the end are rejected at p < 1e-6 by the same checks.
 """
 
 import json
@@ -26,17 +27,17 @@ import numpy as np
 import pytest
 
 import dspark_fn
-from dspark_fn import CostCurve, Sampling
+from dspark_fn import GREEDY, CostCurve, Sampling
 from dspark_fn.checkpoints import save_draft
 from dspark_fn.drafts.vocab import reduced_checkpoint
-from dspark_fn.sampling import log_probs
+from dspark_fn.sampling import Mode, batch_sampling, log_probs
 from helpers import build_bigram_draft, build_target, mlx_lm_greedy, speculative_tokens, target_config
 
 SAMPLES = 20_000
 TOKENS = 8
 PIT_BINS = 20
 PROMPT = [5, 9]
-P_VALUE_FLOOR = 1e-3
+P_VALUE_FLOOR = 1e-5
 CONFIG = target_config("qwen3", vocab=32, hidden=16, layers=2, heads=2, kv_heads=1, head_dim=8)
 DRAFT = dict(layers=1, taps=(0,), block_size=3)
 
@@ -127,10 +128,36 @@ def pit_values(model, outcomes: np.ndarray, sampling: Sampling, seed: int) -> np
 
 
 def chi_square_survival(statistic: float, dof: int) -> float:
-    """P(chi2_dof > statistic) by the Wilson-Hilferty cube-root normal
-    approximation (relative error under 5% at p = 1e-3 for dof >= 20)."""
-    z = ((statistic / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
-    return 0.5 * math.erfc(z / math.sqrt(2))
+    """P(chi2_dof > statistic) = Q(dof / 2, statistic / 2), the regularised
+    upper incomplete gamma function (series below a + 1, continued fraction above)."""
+    a, x = dof / 2, statistic / 2
+    if x <= 0:
+        return 1.0
+    log_front = a * math.log(x) - x - math.lgamma(a)
+    if x < a + 1:
+        term = total = 1 / a
+        n = a
+        while term > total * 1e-15:
+            n += 1
+            term *= x / n
+            total += term
+        return max(0.0, 1 - math.exp(log_front) * total)
+    tiny = 1e-300
+    b = x + 1 - a
+    c, d = 1 / tiny, 1 / b
+    h = d
+    for i in range(1, 1000):
+        an = -i * (i - a)
+        b += 2
+        d = an * d + b
+        d = tiny if abs(d) < tiny else d
+        c = b + an / c
+        c = tiny if abs(c) < tiny else c
+        d = 1 / d
+        h *= d * c
+        if abs(d * c - 1) < 1e-15:
+            break
+    return math.exp(log_front) * h
 
 
 def uniform_p_value(values: np.ndarray) -> float:
@@ -200,15 +227,17 @@ def test_every_position_matches_target_sampling(sampled):
 
 
 def test_transform_matches_reference():
-    logits = np.random.default_rng(0).normal(size=(64, 50)).astype(np.float32) * 3
-    for sampling in (Sampling(1.0), Sampling(0.7, top_k=5), Sampling(1.3, top_p=0.6), Sampling(0.9, 10, 0.75)):
-        ours = np.exp(np.array(log_probs(mx.array(logits), sampling)))
-        np.testing.assert_allclose(ours, reference_probs(logits, sampling), atol=1e-6)
+    """Per-row settings: each row of one batch under its own transform."""
+    settings = [Sampling(1.0), Sampling(0.7, top_k=5), Sampling(1.3, top_p=0.6), Sampling(0.9, 10, 0.75)]
+    logits = np.random.default_rng(0).normal(size=(len(settings), 16, 50)).astype(np.float32) * 3
+    ours = np.exp(np.array(log_probs(mx.array(logits), *batch_sampling(settings, len(settings)))))
+    for row, sampling in enumerate(settings):
+        np.testing.assert_allclose(ours[row], reference_probs(logits[row], sampling), atol=1e-6)
 
 
 def test_top_p_keeps_the_most_likely_token():
     logits = mx.array([[4.0, 1.0, 0.0]])
-    kept = np.exp(np.array(log_probs(logits, Sampling(1.0, top_p=0.01))))
+    kept = np.exp(np.array(log_probs(logits, *batch_sampling(Sampling(1.0, top_p=0.01), 1))))
     np.testing.assert_allclose(kept, [[1.0, 0.0, 0.0]])
 
 
@@ -259,8 +288,8 @@ def bonus_from_the_draft(p, q, rejected):
     return mx.where(rejected, residual, mx.where(q.sum(axis=-1, keepdims=True) > 0, q, p))
 
 
-def unfiltered_draft_distribution(logits, sampling):
-    return log_probs(logits, Sampling(sampling.temperature))
+def unfiltered_draft_distribution(logits, rows, mode):
+    return log_probs(logits, rows, Mode(mode.greedy, mode.sampled))
 
 
 BROKEN = {
@@ -296,3 +325,30 @@ def test_the_harness_rejects_broken_samplers(models, monkeypatch, name):
     p_values = [chi_square_p_value(first_three_counts(outcomes), exact_first_three(model, sampling))]
     p_values += [uniform_p_value(pit[:, position]) for position in range(TOKENS)]
     assert min(p_values) < CONTROL_FLOOR, f"{name}: smallest p = {min(p_values):.2e}"
+
+
+def test_rows_with_their_own_settings_share_one_batch(models):
+    """Half the rows at T=1, half at T=0.8 with top-k/top-p, a few greedy, in
+    one batch: each group is distributed as the target under its settings."""
+    model, pairs = models
+    settings = [Sampling(1.0), Sampling(0.8, top_k=6, top_p=0.9)]
+    per_row = [settings[row % 2] for row in range(SAMPLES)] + [GREEDY] * 4
+    streams = [[] for _ in per_row]
+    for event in dspark_fn.generate(pairs["good"], [PROMPT] * len(per_row), TOKENS, sampling=per_row, seed=9,
+                                    capacity=24, width=None):
+        streams[event.row] += event.emitted
+    outcomes = np.array(streams)
+    assert (outcomes[SAMPLES:] == mlx_lm_greedy(model, PROMPT, TOKENS)).all()
+    for group, sampling in enumerate(settings):
+        rows = outcomes[group:SAMPLES:2]
+        pit = pit_values(model, rows, sampling, seed=group)
+        for position in range(TOKENS):
+            p_value = uniform_p_value(pit[:, position])
+            assert p_value > P_VALUE_FLOOR, f"{sampling}: token {position + 1}: chi-square p = {p_value:.2e}"
+
+
+def test_chi_square_survival_matches_the_closed_form_for_even_dof():
+    for dof, statistic in ((2, 3.0), (4, 10.0), (20, 45.0), (20, 5.0)):
+        half = statistic / 2
+        closed = math.exp(-half) * sum(half**i / math.factorial(i) for i in range(dof // 2))
+        assert chi_square_survival(statistic, dof) == pytest.approx(closed, rel=1e-9)

@@ -171,12 +171,12 @@ def test_switching_widths_never_retraces(pair):
     cache, tokens = dspark_fn.prefill(params, dspark_fn.init_cache(params, 2, 256), [[1, 2, 3], [4, 5]])
     schedule = [6, 1, 3, 2, 4, 6, 2, 1, 4, 3]
     for width in BUCKETS:  # first use of every bucket compiles it
-        cache, result = dspark_fn.speculate(params, cache, tokens, width)
+        cache, result = dspark_fn.speculate(params, cache, tokens, width=width)
         tokens = result.next_tokens
     before = dict(dspark_fn.TRACE_COUNTS)
     for width in schedule:
         limit = np.random.default_rng(width).integers(0, width, size=2)
-        cache, result = dspark_fn.speculate(params, cache, tokens, width, limit=mx.array(limit, mx.int32))
+        cache, result = dspark_fn.speculate(params, cache, tokens, width=width, limit=mx.array(limit, mx.int32))
         tokens = result.next_tokens
         assert (np.array(result.accepted) <= limit).all()
     assert dict(dspark_fn.TRACE_COUNTS) == before

@@ -7,6 +7,7 @@ from mlx.utils import tree_flatten
 
 from dspark_fn import train
 from dspark_fn.cache import Cache
+from dspark_fn.noise import row_seeds
 from dspark_fn.checkpoints import load_draft, load_target
 from dspark_fn.drafts import resolve_arch
 from dspark_fn.speculate import PairSpec, Params, draft_block
@@ -92,7 +93,7 @@ def test_training_forward_equals_inference_with_context_cut_at_anchor(setup):
         # inference: context = features of positions < a, the anchor token pending
         state = arch.init_context(spec, 1, length)
         state = arch.extend_context(spec, params.draft, state, features[:, :anchor], mx.zeros((1,), mx.int32))
-        cache = Cache(None, state, mx.array([anchor], mx.int32), mx.random.key(0))
+        cache = Cache(None, state, mx.array([anchor], mx.int32), row_seeds(0, 1))
         proposal = draft_block(params, cache, mx.array(tokens[:, anchor]))
         # teacher forcing with the drafted tokens makes both chains identical
         tokens[0, anchor + 1 : anchor + spec.block_size] = np.array(proposal.tokens[0, :-1])
@@ -123,7 +124,7 @@ def drafted(params, draft, prompt_length=12):
     spec, arch = params.spec.draft, params.spec.draft_arch
     features = mx.random.normal((1, prompt_length, len(spec.target_layer_ids) * spec.hidden_size), key=mx.random.key(3))
     state = arch.extend_context(spec, draft, arch.init_context(spec, 1, cache_len), features, mx.zeros((1,), mx.int32))
-    cache = Cache(None, state, mx.array([prompt_length], mx.int32), mx.random.key(0))
+    cache = Cache(None, state, mx.array([prompt_length], mx.int32), row_seeds(0, 1))
     return draft_block(params._replace(draft=draft), cache, mx.array([5], mx.int32))
 
 
