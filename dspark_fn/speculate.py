@@ -372,22 +372,27 @@ def _as_rows(prompt) -> list[list[int]]:
     return rows
 
 
-def _distinct_rows(rows: list[list[int]]) -> tuple[list[list[int]], list[int]]:
-    """The distinct prompts, and for each row the index of its prompt among them."""
+def _distinct_rows(rows: list[list[int]], starts: np.ndarray) -> tuple[list[int], list[int]]:
+    """Rows that run: the first of each group of fresh rows (nothing committed)
+    with equal prompts, and every row with a committed prefix of its own; and
+    for each row the index of the one that runs for it."""
     first_seen: dict = {}
-    source = [first_seen.setdefault(tuple(r), len(first_seen)) for r in rows]
-    return [list(r) for r in first_seen], source
+    keys = [tuple(r) if start == 0 else ("prefix", i) for i, (r, start) in enumerate(zip(rows, starts))]
+    source = [first_seen.setdefault(key, len(first_seen)) for key in keys]
+    return [source.index(i) for i in range(len(first_seen))], source
 
 
 def prefill(params: Params, cache: Cache, prompt, *, sampling=GREEDY, chunk_size: int | None = None):
-    """Run the prompt(s) through the target in fixed chunks and seed the draft context.
+    """Run the prompt(s) through the target in fixed chunks and extend the draft context.
 
     ``prompt`` is a token list, a list of token lists (one per batch row, any
-    lengths) or an int array. Returns ``(cache, tokens)``: the first generated
-    token of each row (argmax, or a draw under the row's ``sampling``), the first anchor.
-    A prompt repeated over several rows (n samples of one prompt) is run
-    once and its cache rows copied. Chunks hold ``PREFILL_CHUNK`` tokens, or
-    the capacity when that is smaller.
+    lengths) or an int array. Each row continues from its committed length
+    (0 in a fresh cache; a cached conversation prefix otherwise). Returns
+    ``(cache, tokens)``: the first generated token of each row (argmax, or a
+    draw under the row's ``sampling``), the first anchor. Rows that start
+    together with the same tokens (n samples of one prompt) are run once and
+    their cache rows copied. Chunks hold ``PREFILL_CHUNK`` tokens, or the
+    capacity when that is smaller.
     """
     rows = _as_rows(prompt)
     if len(rows) != cache.batch_size:
@@ -396,32 +401,56 @@ def prefill(params: Params, cache: Cache, prompt, *, sampling=GREEDY, chunk_size
     if any(not 0 <= t < vocab for r in rows for t in r):
         raise ValueError(f"prompt token ids must be in 0..{vocab - 1}")
     chunk_size = chunk_size or min(PREFILL_CHUNK, cache.capacity)
-    longest = max(len(r) for r in rows)
-    padded_length = math.ceil(longest / chunk_size) * chunk_size
-    if padded_length > cache.capacity:
+    starts = np.array(cache.length)
+    padded_length = math.ceil(max(len(r) for r in rows) / chunk_size) * chunk_size
+    if (starts + padded_length).max() > cache.capacity:
+        longest = int((starts + np.array([len(r) for r in rows])).max())
         raise ValueError(
             f"prompt of {longest} tokens does not fit the cache capacity {cache.capacity} "
-            f"(prefill pads to {padded_length}); allocate a larger cache or shorten the prompt"
+            f"(prefill pads to {int(starts.max()) + padded_length}); allocate a larger cache or shorten the prompt"
         )
-    distinct, source = _distinct_rows(rows)
+    running, source = _distinct_rows(rows, starts)
     state = (cache.target, cache.draft)
-    if len(distinct) < len(rows):  # every cache array is batch-major
-        state = tree_map(lambda a: a[: len(distinct)], state)
-    padded = mx.array([r + [0] * (padded_length - len(r)) for r in distinct], mx.int32)
-    last_rows = mx.array([len(r) - 1 for r in distinct], mx.int32)
+    if len(running) < len(rows):  # every cache array is batch-major
+        state = tree_map(lambda a: a[mx.array(running)], state)
+    offsets = mx.array(starts[running], mx.int32)
+    padded = mx.array([rows[i] + [0] * (padded_length - len(rows[i])) for i in running], mx.int32)
+    last_rows = offsets + mx.array([len(rows[i]) - 1 for i in running], mx.int32)
     kernel = _prefill_kernel(params.spec)
-    last_logits = mx.zeros((len(distinct), vocab), mx.float32)
+    last_logits = mx.zeros((len(running), vocab), mx.float32)
     for begin in range(0, padded_length, chunk_size):
-        start = mx.full((len(distinct),), begin, mx.int32)
         chunk = padded[:, begin : begin + chunk_size]
-        state, last_logits = kernel(params.target, params.draft, state, chunk, start, last_rows, last_logits)
-    if len(distinct) < len(rows):
+        state, last_logits = kernel(params.target, params.draft, state, chunk, offsets + begin, last_rows, last_logits)
+    if len(running) < len(rows):
         index = mx.array(source)
         state, last_logits = tree_map(lambda a: a[index], (state, last_logits))
-    lengths = mx.array([len(r) for r in rows], mx.int32)
+    lengths = mx.array(starts + np.array([len(r) for r in rows]), mx.int32)
     sampled_rows, mode = batch_sampling(sampling, len(rows))
     draws = uniforms(cache.seeds, lengths, noise.PREFILL, (vocab,)) if mode.sampled else None
     return Cache(state[0], state[1], lengths, cache.seeds), choose(last_logits, sampled_rows, mode, draws)
+
+
+def write_row(cache: Cache, row: int, single: Cache) -> Cache:
+    """``cache`` with row ``row`` replaced by the one-row cache ``single``
+    (same capacity; every buffer is batch-major)."""
+
+    def put(batch: mx.array, one: mx.array) -> mx.array:
+        batch[row : row + 1] = one
+        return batch
+
+    return Cache(*(tree_map(put, whole, part) for whole, part in zip(cache, single)))
+
+
+def insert(params: Params, cache: Cache, row: int, prompt, *, sampling=GREEDY, seed: int = 0, prefix: Cache | None = None):
+    """Prefill one prompt into row ``row`` of a running batch; the other rows
+    are untouched. ``prefix`` (a one-row cache of this capacity holding the
+    prompt's first ``prefix.length`` tokens, e.g. a cached conversation) is
+    reused: only the rest of the prompt runs. Returns ``(cache, first token)``."""
+    single = prefix if prefix is not None else init_cache(params, 1, cache.capacity)
+    single = single._replace(seeds=row_seeds(seed, 1))
+    start = int(single.length.item())
+    single, token = prefill(params, single, [list(prompt)[start:]], sampling=sampling)
+    return write_row(cache, row, single), token[0]
 
 
 class Event(NamedTuple):
@@ -509,43 +538,145 @@ def verify_policy(
     return VerifyPolicy(widest, buckets, confidence_threshold, costs if auto else None)
 
 
-def _initial_capacity(rows: list, max_new_tokens: int, widest: int, capacity: int | None) -> int:
-    """A fixed ``capacity`` must hold the whole generation; by default the
-    cache starts at the bucket of the prompt plus one round and grows."""
+def _initial_capacity(rows: list, max_new_tokens: int, widest: int, capacity: int) -> None:
+    """A fixed ``capacity`` must hold the whole generation."""
     longest = max(len(r) for r in rows)
-    if capacity is None:
-        return capacity_for(max(prefill_slots(longest), longest + widest))
     if longest + max_new_tokens + widest > capacity:
         raise ValueError(
             f"prompt of {longest} tokens + {max_new_tokens} new tokens + verify width "
             f"{widest} exceeds the cache capacity {capacity}"
         )
-    return capacity
 
 
-def _round_plan(policy: VerifyPolicy, proposal: Proposal | None, active: np.ndarray):
+def _round_plan(policy: VerifyPolicy, proposal: Proposal | None, active: np.ndarray, fresh: np.ndarray):
     """Verify width, per-row proposal lengths and the draft confidences
-    ``[B, G]`` (None without a draft: the round is a plain target step)."""
+    ``[B, G]`` (None without a draft: the round is a plain target step).
+    ``fresh`` rows joined after the proposal was drafted: they verify none of it."""
     if proposal is None:
         return 1, np.zeros(len(active), np.int32), None
     confidences = 1 / (1 + np.exp(-np.array(proposal.confidence_logits)))
-    return *policy.plan(confidences, active), confidences
+    confidences[fresh] = 0.0
+    width, limits = policy.plan(confidences, active)
+    limits[fresh] = 0
+    return width, limits, confidences
 
 
-def _row_events(result, limits, width, active, produced, done, stop_tokens, max_new_tokens) -> list:
-    """One ``Event`` per active row of a finished round; updates ``produced`` and ``done``."""
-    emitted, counts = result.emitted.tolist(), result.count.tolist()
-    accepted, drafted = result.accepted.tolist(), result.drafted.tolist()
-    confidences = result.confidences.tolist()
-    events = []
-    for row in np.flatnonzero(active).tolist():
-        kept, done[row] = _truncate(emitted[row][: counts[row]], stop_tokens, max_new_tokens - produced[row])
-        produced[row] += len(kept)
-        limit = int(limits[row])
-        events.append(
-            Event("round", kept, accepted[row], drafted[row][:limit], confidences[row][:limit], row, width)
+class Step(NamedTuple):
+    """What one round of a ``Decoder`` produced, host-side, for its active rows."""
+
+    rows: list  # the rows that took part
+    emitted: list  # per row: accepted drafts then the target's token
+    accepted: list
+    drafted: list  # per row: the drafts it verified
+    confidences: list
+    width: int
+
+
+class Decoder:
+    """The driver between rounds: a batch of ``batch`` rows, each a sequence
+    that enters with ``insert`` (or all at once with ``start``), advances one
+    round per ``step`` and leaves with ``release``. One host synchronisation
+    a round: the verify of round r and the draft of round r + 1 are evaluated
+    together, then round r + 1's width is planned from that draft's own
+    confidences. The cache grows in ``capacity_for`` buckets unless fixed."""
+
+    def __init__(self, params: Params, batch: int, *, width="auto", capacity: int | None = None,
+                 confidence_threshold: float = 0.0, costs: CostCurve | None = None, seed: int = 0,
+                 cost_sampling=GREEDY):
+        self.params = params
+        self.policy = verify_policy(
+            params, width, batch, sampling=cost_sampling, confidence_threshold=confidence_threshold, costs=costs
         )
-    return events
+        self.growing = capacity is None
+        self.cache = init_cache(params, batch, capacity or capacity_for(1), seed)
+        self.gate = self.policy.gate()
+        self.tokens = mx.zeros((batch,), mx.int32)
+        self.sampling = [GREEDY] * batch
+        self.active = np.zeros(batch, bool)
+        self.fresh = np.zeros(batch, bool)
+        self.committed = np.zeros(batch, int)
+        self.proposal = None
+
+    @property
+    def batch(self) -> int:
+        return len(self.active)
+
+    def ensure_capacity(self, slots: int) -> None:
+        """Grow to hold ``slots`` positions (a fixed cache refuses to write past its end)."""
+        if slots > self.cache.capacity:
+            if not self.growing:
+                raise ValueError(f"{slots} positions exceed the fixed cache capacity {self.cache.capacity}")
+            self.cache = grow_cache(self.params, self.cache, capacity_for(slots))
+
+    def room_for_prompt(self, length: int) -> None:
+        if self.growing:  # a fixed cache: prefill checks the fit itself
+            self.ensure_capacity(max(prefill_slots(length), length + self.policy.max_width))
+
+    def start(self, prompts: list, sampling=GREEDY) -> list[int]:
+        """Prefill every row at once (batched); returns each row's first token."""
+        settings = [sampling] * self.batch if isinstance(sampling, Sampling) else list(sampling)
+        self.room_for_prompt(max(len(p) for p in prompts))
+        self.cache, self.tokens = prefill(self.params, self.cache, prompts, sampling=settings)
+        self.sampling, self.active[:], self.fresh[:] = settings, True, False
+        self.committed = np.array([len(p) for p in prompts])
+        self.proposal = self._next_proposal()
+        mx.eval(self.tokens, self.proposal)
+        return self.tokens.tolist()
+
+    def insert(self, row: int, prompt: list, *, sampling=GREEDY, seed: int = 0, prefix: Cache | None = None) -> int:
+        """Put a new sequence in the free row ``row`` between rounds; returns its first token."""
+        self.room_for_prompt(len(prompt))
+        if prefix is not None and prefix.capacity < self.cache.capacity:
+            prefix = grow_cache(self.params, prefix, self.cache.capacity)
+        self.cache, token = insert(self.params, self.cache, row, prompt, sampling=sampling, seed=seed, prefix=prefix)
+        self.tokens[row] = token
+        self.sampling[row], self.active[row], self.fresh[row] = sampling, True, True
+        self.committed[row] = len(prompt)
+        return int(token.item())
+
+    def release(self, row: int) -> None:
+        """Free ``row``: it commits nothing more and its slots are reused."""
+        self.active[row] = False
+        self.committed[row] = 0
+        self.cache = self.cache._replace(length=mx.where(mx.arange(self.batch) == row, 0, self.cache.length))
+
+    def row_cache(self, row: int) -> Cache:
+        """Row ``row`` as a one-row cache (e.g. to keep a conversation's prefix)."""
+        return Cache(*(tree_map(lambda a: a[row : row + 1], part) for part in self.cache))
+
+    def _next_proposal(self):
+        drafting = self.policy.max_width > 1 and (self.gate is None or self.gate.draft_next())
+        return propose(self.params, self.cache, self.tokens, self.sampling) if drafting else None
+
+    def step(self) -> Step:
+        """One round over the active rows."""
+        active = self.active.copy()
+        width, limits, confidences = _round_plan(self.policy, self.proposal, active, self.fresh & active)
+        self.ensure_capacity(int(self.committed[active].max()) + width)
+        rows, mode = batch_sampling(self.sampling, self.batch)
+        proposal = self.proposal if confidences is not None else no_proposal(self.batch)
+        self.cache, result = _verify(
+            self.params, self.cache, self.tokens, proposal, width, rows, mode, mx.array(limits), mx.array(active)
+        )
+        self.tokens = result.next_tokens
+        self.proposal = self._next_proposal()
+        mx.eval(result, self.proposal)
+        self.committed += np.array(result.count)
+        if confidences is not None and self.gate is not None:
+            settled = active & ~self.fresh
+            self.gate.observe(np.array(result.accepted)[settled], limits[settled], confidences[settled])
+        self.fresh[:] = False
+        emitted, counts, accepted = result.emitted.tolist(), result.count.tolist(), result.accepted.tolist()
+        drafted, scores = result.drafted.tolist(), result.confidences.tolist()
+        live = np.flatnonzero(active).tolist()
+        return Step(
+            live,
+            [emitted[r][: counts[r]] for r in live],
+            [accepted[r] for r in live],
+            [drafted[r][: limits[r]] for r in live],
+            [scores[r][: limits[r]] for r in live],
+            width,
+        )
 
 
 def generate(
@@ -569,56 +700,35 @@ def generate(
     None (block size + 1); with ``confidence_threshold`` each row's proposal
     ends at its first slot with a lower confidence. ``sampling`` is one
     ``Sampling`` for every row or one per row; row b draws with its own
-    seed (derived from ``seed`` and b). Greedy output equals
-    greedy decoding of the target alone, row by row; sampled output is
-    distributed as sampling the target alone. Rows that finish stop
-    emitting while the others go on. ``capacity`` fixes the cache size;
-    by default the cache grows in ``capacity_for`` buckets with the context.
-
-    One host synchronisation per round: the verify of round r and the draft
-    of round r + 1 are evaluated together, so the host reads round r's
-    tokens and round r + 1's confidences at once, then picks the width of
-    round r + 1 from its own draft's confidences.
+    seed (derived from ``seed`` and b). Greedy output equals greedy decoding
+    of the target alone, row by row; sampled output is distributed as
+    sampling the target alone. Rows that finish stop emitting while the
+    others go on. ``capacity`` fixes the cache size; by default the cache
+    grows in ``capacity_for`` buckets with the context.
     """
     rows = _as_rows(prompt)
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be at least 1")
     batch = len(rows)
-    rows_sampling, mode = batch_sampling(sampling, batch)
-    policy = verify_policy(
-        params, width, batch, sampling=sampling, confidence_threshold=confidence_threshold, costs=costs
+    decoder = Decoder(
+        params, batch, width=width, capacity=capacity, confidence_threshold=confidence_threshold, costs=costs,
+        seed=seed, cost_sampling=sampling,
     )
-    growing = capacity is None
-    capacity = _initial_capacity(rows, max_new_tokens, policy.max_width, capacity)
-    gate = policy.gate()
+    if capacity is not None:
+        _initial_capacity(rows, max_new_tokens, decoder.policy.max_width, capacity)
     stop_tokens = set(stop_tokens)
-
-    def next_proposal(cache, tokens):
-        drafting = policy.max_width > 1 and (gate is None or gate.draft_next())
-        return propose(params, cache, tokens, sampling) if drafting else None
-
-    cache, tokens = prefill(params, init_cache(params, batch, capacity, seed), rows, sampling=sampling)
-    proposal = next_proposal(cache, tokens)
-    mx.eval(tokens, proposal)
-    committed = np.array([len(r) for r in rows])
     produced, done = [0] * batch, [False] * batch
-    for row, token in enumerate(tokens.tolist()):
+    for row, token in enumerate(decoder.start(rows, sampling)):
         emitted, done[row] = _truncate([token], stop_tokens, max_new_tokens)
         produced[row] = len(emitted)
         yield Event("prefill", emitted, 0, [], [], row)
+        if done[row]:
+            decoder.active[row] = False
     while not all(done):
-        active = ~np.array(done)
-        round_width, limits, confidences = _round_plan(policy, proposal, active)
-        if growing:
-            cache = grow_cache(params, cache, capacity_for(int(committed[active].max()) + round_width))
-        cache, result = _verify(
-            params, cache, tokens, proposal if confidences is not None else no_proposal(batch), round_width,
-            rows_sampling, mode, mx.array(limits), mx.array(active),
-        )
-        tokens = result.next_tokens
-        proposal = next_proposal(cache, tokens)
-        mx.eval(result, proposal)
-        committed += np.array(result.count.tolist())
-        if confidences is not None and gate is not None:
-            gate.observe(np.array(result.accepted.tolist())[active], limits[active], confidences[active])
-        yield from _row_events(result, limits, round_width, active, produced, done, stop_tokens, max_new_tokens)
+        step = decoder.step()
+        for i, row in enumerate(step.rows):
+            kept, done[row] = _truncate(step.emitted[i], stop_tokens, max_new_tokens - produced[row])
+            produced[row] += len(kept)
+            yield Event("round", kept, step.accepted[i], step.drafted[i], step.confidences[i], row, step.width)
+            if done[row]:
+                decoder.active[row] = False
