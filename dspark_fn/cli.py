@@ -290,6 +290,34 @@ def run_train(args) -> int:
     return 0
 
 
+def run_serve(args) -> int:
+    try:
+        import uvicorn
+
+        from .serve.app import create_app
+        from .serve.engine import Engine
+    except ImportError as missing:
+        raise SystemExit(f"dspark serve needs its extra: pip install 'dspark-fn[serve]' ({missing})") from None
+    params, tokenizer, _ = load(args)
+    if tokenizer is None:
+        raise SystemExit("dspark: this model has no tokenizer; the server needs one to read requests")
+    name = args.model or "smollm2-135m"
+    engine = Engine(
+        params, max_batch=args.max_batch, max_context=args.max_context,
+        prompt_cache_bytes=args.prompt_cache_mb << 20, width=args.verify,
+        confidence_threshold=args.confidence_threshold,
+    )
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):  # SIGINT/SIGTERM: in-flight requests end now, then shut down
+            engine.cancel_all()
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(create_app(engine, tokenizer, name), host=args.host, port=args.port, log_level="warning")
+    print(f"dspark: serving {name} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    Server(config).run()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dspark", description="DSpark self-speculative decoding on MLX")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -345,6 +373,17 @@ def build_parser() -> argparse.ArgumentParser:
     fit.add_argument("--held-out", type=int, default=8, help="last prompts of the file kept for the tau check")
     fit.add_argument("--resume", action="store_true", help="continue the checkpoint in --out")
     fit.set_defaults(run=run_train)
+
+    serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching")
+    add_model_arguments(serve)
+    add_verify_arguments(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=int, default=8080, help="port to listen on")
+    serve.add_argument("--max-batch", type=int, default=8, help="requests decoded together (rows of the batch)")
+    serve.add_argument("--max-context", type=int, default=4096, help="prompt + completion tokens per request")
+    serve.add_argument("--prompt-cache-mb", type=int, default=1024,
+                       help="memory for finished conversations whose prefix a new request can reuse (0: off)")
+    serve.set_defaults(run=run_serve)
 
     models = commands.add_parser("models", help="list the model aliases")
     models.set_defaults(run=run_models)

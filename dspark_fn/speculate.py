@@ -634,6 +634,11 @@ class Decoder:
         self.committed[row] = len(prompt)
         return int(token.item())
 
+    def reset_policy(self) -> None:
+        """Forget what the gate learnt: a sequence that runs alone from here
+        follows the same drafting decisions, so its seeded samples repeat."""
+        self.gate = self.policy.gate()
+
     def release(self, row: int) -> None:
         """Free ``row``: it commits nothing more and its slots are reused."""
         self.active[row] = False

@@ -1,0 +1,1 @@
+"""``dspark serve``: an OpenAI-compatible HTTP server over the continuous-batching engine."""

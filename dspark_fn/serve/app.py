@@ -1,0 +1,303 @@
+"""The OpenAI-compatible HTTP API (FastAPI): chat and text completions, models, health.
+
+Requests are validated here and turned into engine ``Request``s; errors are
+OpenAI-style bodies (``{"error": {"message", "type", "param", "code"}}``)
+with a 4xx status, and the server keeps serving. Streams are server-sent
+events in OpenAI's chunk format ending with ``data: [DONE]``; a client that
+goes away cancels its request, which frees its row at the next round.
+Prompt text is never logged.
+"""
+
+import asyncio
+import json
+import secrets
+import time
+import uuid
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request as HttpRequest
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from ..evaluate import stop_tokens as tokenizer_stop_tokens
+from ..sampling import Sampling
+from .engine import Engine, Request
+
+
+class ApiError(Exception):
+    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.message, self.param, self.status, self.code, self.kind = message, param, status, code, kind
+
+    def response(self) -> JSONResponse:
+        body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+        return JSONResponse(body, status_code=self.status)
+
+
+@dataclass(frozen=True)
+class Job:
+    """A validated request: prompt ids, settings, and how to report it."""
+
+    kind: str  # "chat" or "text"
+    prompt: list
+    max_tokens: int
+    sampling: Sampling
+    seed: int | None
+    stop: tuple
+    n: int
+    stream: bool
+    include_usage: bool
+
+
+def number(body: dict, name: str, default, kind=float, low=None, high=None, low_open=False):
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
+        raise ApiError(f"'{name}' must be {'an integer' if kind is int else 'a number'}, got {value!r}", name)
+    value = kind(value)
+    if low is not None and (value <= low if low_open else value < low):
+        raise ApiError(f"'{name}' must be {'>' if low_open else '>='} {low}, got {value}", name)
+    if high is not None and value > high:
+        raise ApiError(f"'{name}' must be <= {high}, got {value}", name)
+    return value
+
+
+def message_text(message) -> str:
+    if not isinstance(message, dict) or "role" not in message:
+        raise ApiError("each message needs a 'role' and a 'content'", "messages")
+    content = message.get("content")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+        return "".join(part.get("text", "") for part in content)
+    raise ApiError("only text content is supported (no images, audio or files)", "messages")
+
+
+class Api:
+    """Turns HTTP bodies into jobs for the engine and jobs' events into responses."""
+
+    def __init__(self, engine: Engine, tokenizer, model_name: str):
+        self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        self.stop_ids = frozenset(tokenizer_stop_tokens(tokenizer))
+
+    # ---- validation
+
+    def job(self, body, kind: str) -> Job:
+        if not isinstance(body, dict):
+            raise ApiError("the request body must be a JSON object")
+        model = body.get("model")
+        if model is not None and model != self.model_name:
+            raise ApiError(f"model {model!r} is not served here; this server serves {self.model_name!r}",
+                           "model", status=404, code="model_not_found")
+        prompt = self.chat_prompt(body) if kind == "chat" else self.text_prompt(body)
+        room = self.engine.max_context - len(prompt) - self.engine.decoder.policy.max_width
+        if room < 1:
+            raise ApiError(f"the prompt has {len(prompt)} tokens; the context holds {self.engine.max_context}",
+                           "messages" if kind == "chat" else "prompt", code="context_length_exceeded")
+        limit_name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+        max_tokens = number(body, limit_name, room, int, low=1)
+        if max_tokens > room:
+            raise ApiError(f"{limit_name} {max_tokens} + the prompt's {len(prompt)} tokens exceed the context of "
+                           f"{self.engine.max_context} tokens", limit_name, code="context_length_exceeded")
+        sampling = Sampling(
+            number(body, "temperature", 1.0, low=0, high=2),
+            number(body, "top_k", 0, int, low=0),
+            number(body, "top_p", 1.0, low=0, high=1, low_open=True),
+        )
+        stop = body.get("stop") or ()
+        stop = (stop,) if isinstance(stop, str) else stop
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 4:
+            raise ApiError("'stop' must be a string or a list of up to 4 non-empty strings", "stop")
+        seed = body.get("seed")
+        if seed is not None:
+            seed = number(body, "seed", None, int)
+        options = body.get("stream_options") or {}
+        return Job(kind, prompt, max_tokens, sampling, seed, tuple(stop), number(body, "n", 1, int, low=1, high=8),
+                   bool(body.get("stream", False)), bool(options.get("include_usage", False)))
+
+    def chat_prompt(self, body: dict) -> list:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise ApiError("'messages' must be a non-empty list", "messages")
+        turns = [{"role": m["role"], "content": message_text(m)} for m in messages]
+        if not getattr(self.tokenizer, "chat_template", None):
+            return self.tokenizer.encode("\n".join(t["content"] for t in turns))
+        return list(self.tokenizer.apply_chat_template(turns, add_generation_prompt=True, enable_thinking=False))
+
+    def text_prompt(self, body: dict) -> list:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]
+        if isinstance(prompt, str) and prompt:
+            return self.tokenizer.encode(prompt)
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            vocab = self.engine.params.spec.target.vocab_size
+            if not all(0 <= t < vocab for t in prompt):
+                raise ApiError(f"prompt token ids must be in 0..{vocab - 1}", "prompt")
+            return prompt
+        raise ApiError("'prompt' must be a non-empty string or a list of token ids", "prompt")
+
+    # ---- running
+
+    def submit(self, job: Job) -> list[Request]:
+        seeds = [job.seed + i if job.seed is not None else secrets.randbits(31) for i in range(job.n)]
+        return [
+            self.engine.submit(Request(job.prompt, job.max_tokens, job.sampling, seed, self.stop_ids))
+            for seed in seeds
+        ]
+
+    async def pieces(self, job: Job, request: Request):
+        """``(text, finish_reason or None)`` as the request's tokens arrive;
+        stop strings end it (text cut before them), and a partial stop string
+        is held back until it is ruled out."""
+        detokenizer, sent = self.tokenizer.detokenizer, 0
+        hold = max((len(s) for s in job.stop), default=1) - 1
+        while True:
+            kind, value = await asyncio.to_thread(request.events.get)
+            if kind == "error":
+                raise RuntimeError(value)
+            if kind == "done":
+                detokenizer.finalize()
+                yield detokenizer.text[sent:], {"cancelled": "stop"}.get(value, value)
+                return
+            for token in value:
+                if token not in self.stop_ids:
+                    detokenizer.add_token(token)
+            text = detokenizer.text
+            cut = min((i for i in (text.find(s, max(0, sent - hold)) for s in job.stop) if i >= 0), default=None)
+            if cut is not None:
+                request.cancel()
+                yield text[sent:cut], "stop"
+                return
+            ready = max(sent, len(text) - hold)
+            if ready > sent:
+                yield text[sent:ready], None
+                sent = ready
+
+    def usage(self, job: Job, requests: list[Request]) -> dict:
+        completion = sum(r.produced for r in requests)
+        rounds = [r.acceptance for r in requests]
+        emitted, count = sum(a.emitted for a in rounds), sum(a.rounds for a in rounds)
+        accepted, drafted = sum(a.accepted for a in rounds), sum(a.drafted for a in rounds)
+        return {
+            "prompt_tokens": len(job.prompt) * job.n,
+            "completion_tokens": completion,
+            "total_tokens": len(job.prompt) * job.n + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in requests)},
+        }, {
+            "tau": emitted / count if count else 0.0,
+            "acceptance_rate": accepted / drafted if drafted else 0.0,
+            "rounds": count,
+            "prompt_cache_hit": any(r.cached_tokens for r in requests),
+        }
+
+    def envelope(self, job: Job, ident: str, created: int, chunk: bool) -> dict:
+        kind = {("chat", False): "chat.completion", ("chat", True): "chat.completion.chunk"}
+        return {"id": ident, "object": kind.get((job.kind, chunk), "text_completion"), "created": created,
+                "model": self.model_name}
+
+    def choice(self, job: Job, index: int, text: str, finish: str | None, chunk: bool) -> dict:
+        if job.kind == "text":
+            return {"index": index, "text": text, "finish_reason": finish, "logprobs": None}
+        body = {"role": "assistant", "content": text}
+        return {"index": index, ("delta" if chunk else "message"): body, "finish_reason": finish, "logprobs": None}
+
+    async def complete(self, job: Job) -> dict:
+        requests = self.submit(job)
+        created, ident = int(time.time()), f"{'chatcmpl' if job.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        choices = []
+        for index, request in enumerate(requests):
+            text, finish = "", None
+            async for piece, finish in self.pieces(job, request):
+                text += piece
+            choices.append(self.choice(job, index, text, finish, chunk=False))
+        usage, stats = self.usage(job, requests)
+        return self.envelope(job, ident, created, False) | {"choices": choices, "usage": usage, "dspark": stats}
+
+    async def stream(self, job: Job):
+        requests = self.submit(job)
+        created, ident = int(time.time()), f"{'chatcmpl' if job.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        head = self.envelope(job, ident, created, True)
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def follow(index: int, request: Request):
+            try:
+                async for piece, finish in self.pieces(job, request):
+                    await merged.put((index, piece, finish))
+            except Exception as error:  # reported in the stream, as an error chunk
+                await merged.put((index, error, "error"))
+
+        tasks = [asyncio.create_task(follow(i, r)) for i, r in enumerate(requests)]
+        try:
+            if job.kind == "chat":
+                for index in range(job.n):
+                    first = {"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                    yield sse(head | {"choices": [first]})
+            finished = 0
+            while finished < job.n:
+                index, piece, finish = await merged.get()
+                if finish == "error":
+                    yield sse({"error": {"message": str(piece), "type": "server_error", "param": None, "code": None}})
+                    return
+                finished += finish is not None
+                choice = self.choice(job, index, piece, finish, chunk=True)
+                if job.kind == "chat" and finish is not None and not piece:
+                    choice["delta"] = {}
+                yield sse(head | {"choices": [choice]})
+            usage, stats = self.usage(job, requests)
+            if job.include_usage:
+                yield sse(head | {"choices": [], "usage": usage, "dspark": stats})
+            yield "data: [DONE]\n\n"
+        finally:
+            for request, task in zip(requests, tasks):
+                request.cancel()  # a client that left frees its row at the next round
+                task.cancel()
+
+
+def sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+def create_app(engine: Engine, tokenizer, model_name: str) -> FastAPI:
+    api = Api(engine, tokenizer, model_name)
+    app = FastAPI(title="dspark serve", docs_url=None, redoc_url=None)
+
+    async def handle(http: HttpRequest, kind: str):
+        try:
+            try:
+                body = json.loads(await http.body())
+            except (json.JSONDecodeError, UnicodeDecodeError) as error:
+                raise ApiError(f"the request body is not valid JSON: {error}") from None
+            job = api.job(body, kind)
+            if job.stream:
+                return StreamingResponse(api.stream(job), media_type="text/event-stream")
+            return JSONResponse(await api.complete(job))
+        except ApiError as error:
+            return error.response()
+        except ValueError as error:  # raised by the engine or sampling checks
+            return ApiError(str(error)).response()
+        except RuntimeError as error:
+            return ApiError(str(error), status=503, kind="server_error").response()
+
+    @app.post("/v1/chat/completions")
+    async def chat(http: HttpRequest):
+        return await handle(http, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(http: HttpRequest):
+        return await handle(http, "text")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "dspark"}]}
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", **engine.stats()}
+
+    @app.on_event("shutdown")
+    def stop_engine():
+        engine.close()
+
+    return app

@@ -1,0 +1,236 @@
+"""Continuous batching: requests join a running batch between rounds and leave when done.
+
+One thread owns the model and a ``Decoder`` of ``max_batch`` rows. Between
+rounds it inserts waiting requests into free rows (their prompt prefilled
+alone, reusing a cached conversation prefix when one matches) and frees the
+rows of finished or cancelled requests; every round advances all active
+rows at once. Each row keeps its own sampling settings and seed. Requests
+talk to the thread through queues only, so the web server never touches MLX.
+"""
+
+import queue
+import threading
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+from mlx.utils import tree_flatten, tree_map
+
+from ..cache import Cache
+from ..sampling import GREEDY, Sampling
+from ..speculate import Decoder, Params, capacity_for
+from ..stats import Acceptance
+
+
+@dataclass
+class Request:
+    """One sequence to generate. The engine puts ``("tokens", [ids])`` for each
+    round, then ``("done", reason)`` (reason "stop", "length" or "cancelled")
+    or ``("error", message)`` on ``events``; ``cancel()`` frees its row."""
+
+    prompt: list
+    max_tokens: int
+    sampling: Sampling = GREEDY
+    seed: int = 0
+    stop_tokens: frozenset = frozenset()
+    events: queue.Queue = field(default_factory=queue.Queue)
+    acceptance: Acceptance = field(default_factory=Acceptance)
+    cached_tokens: int = 0  # prompt tokens reused from the prompt cache
+    produced: int = 0
+    _cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+
+def common_prefix(a: list, b: list) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def shrink(cache: Cache, capacity: int) -> Cache:
+    """A one-row cache cut to ``capacity`` slots (a stored prefix keeps only what it holds)."""
+    cut = lambda a: a[:, :, :capacity]  # noqa: E731  every buffer holds slots along axis 2
+    return Cache(tree_map(cut, cache.target), tree_map(cut, cache.draft), cache.length, cache.seeds)
+
+
+class PromptCache:
+    """Finished conversations' caches, least recently used evicted past
+    ``budget_bytes``. A new prompt reuses the stored sequence sharing its
+    longest prefix (at least ``min_tokens``)."""
+
+    def __init__(self, budget_bytes: int, min_tokens: int = 16):
+        self.budget, self.min_tokens = budget_bytes, min_tokens
+        self.entries: OrderedDict = OrderedDict()  # tuple(tokens) -> (cache, bytes)
+        self.hits = self.misses = 0
+
+    @property
+    def used(self) -> int:
+        return sum(size for _, size in self.entries.values())
+
+    def store(self, tokens: list, cache: Cache) -> None:
+        if self.budget <= 0 or len(tokens) < self.min_tokens:
+            return
+        cache = shrink(cache, capacity_for(len(tokens)))
+        mx.eval(cache)  # its own buffers: the running batch's stay free to update in place
+        size = sum(a.nbytes for _, a in tree_flatten((cache.target, cache.draft)))
+        self.entries[tuple(tokens)] = (cache, size)
+        self.entries.move_to_end(tuple(tokens))
+        while self.entries and self.used > self.budget:
+            self.entries.popitem(last=False)
+
+    def lookup(self, prompt: list) -> Cache | None:
+        """The stored cache sharing the longest prefix with ``prompt``, its
+        length cut to that prefix (and to leave at least one prompt token)."""
+        best, best_length = None, 0
+        for tokens in self.entries:
+            length = min(common_prefix(list(tokens), prompt), len(prompt) - 1)
+            if length > best_length:
+                best, best_length = tokens, length
+        if best is None or best_length < self.min_tokens:
+            self.misses += 1
+            return None
+        self.hits += 1
+        self.entries.move_to_end(best)
+        cache = self.entries[best][0]
+        return cache._replace(length=mx.array([best_length], mx.int32))
+
+
+class Engine:
+    """The decoding thread. ``submit`` queues a request; ``close`` cancels
+    what is in flight and stops the thread."""
+
+    def __init__(self, params: Params, max_batch: int = 8, max_context: int = 4096,
+                 prompt_cache_bytes: int = 1 << 30, **decoder_options):
+        self.params, self.max_context = params, max_context
+        self.prompt_cache = PromptCache(prompt_cache_bytes)
+        self.waiting: deque = deque()
+        self.rows: dict = {}  # row -> (request, every token in the row: prompt + generated)
+        self.wake = threading.Condition()
+        self.stopping = False
+        # MLX evaluates an array on the thread that built it: materialise the
+        # weights here, and let the engine thread build all decoding state.
+        mx.eval(params.target, params.draft)
+        self.decoder, started = None, threading.Event()
+        self.thread = threading.Thread(
+            target=self._run, args=(max_batch, decoder_options, started), name="dspark-engine", daemon=True
+        )
+        self.thread.start()
+        started.wait()
+        if self.decoder is None:
+            raise RuntimeError("the decoding engine failed to start (see the error above)")
+
+    def submit(self, request: Request) -> Request:
+        if len(request.prompt) + request.max_tokens + self.decoder.policy.max_width > self.max_context:
+            raise ValueError(
+                f"prompt of {len(request.prompt)} tokens + max_tokens {request.max_tokens} exceed the "
+                f"context of {self.max_context} tokens"
+            )
+        with self.wake:
+            if self.stopping:
+                raise RuntimeError("the engine is shutting down")
+            self.waiting.append(request)
+            self.wake.notify()
+        return request
+
+    def cancel_all(self) -> None:
+        """End every waiting and running request at the next round (shutting down)."""
+        with self.wake:
+            for request in list(self.waiting) + [r for r, _ in self.rows.values()]:
+                request.cancel()
+            self.wake.notify()
+
+    def close(self) -> None:
+        with self.wake:
+            self.stopping = True
+            self.wake.notify()
+        self.thread.join()
+
+    def stats(self) -> dict:
+        return {
+            "active": len(self.rows),
+            "waiting": len(self.waiting),
+            "prompt_cache": {"entries": len(self.prompt_cache.entries), "bytes": self.prompt_cache.used,
+                             "hits": self.prompt_cache.hits, "misses": self.prompt_cache.misses},
+        }
+
+    # ---- the decoding thread
+
+    def _run(self, max_batch: int, decoder_options: dict, started: threading.Event) -> None:
+        try:
+            self.decoder = Decoder(self.params, max_batch, **decoder_options)
+        finally:
+            started.set()
+        try:
+            while self._wait_for_work():
+                self._admit()
+                if self.rows:
+                    self._round()
+        except Exception as error:  # a failure ends every request with its message, never silently
+            for request in [r for r, _ in self.rows.values()] + list(self.waiting):
+                request.events.put(("error", f"{type(error).__name__}: {error}"))
+            raise
+        finally:
+            for request in [r for r, _ in self.rows.values()] + list(self.waiting):
+                request.events.put(("done", "cancelled"))
+
+    def _wait_for_work(self) -> bool:
+        with self.wake:
+            while not self.stopping and not self.waiting and not self.rows:
+                self.wake.wait()
+            return not self.stopping
+
+    def _admit(self) -> None:
+        free = [row for row in range(self.decoder.batch) if row not in self.rows]
+        while free and self.waiting:
+            with self.wake:
+                request = self.waiting.popleft()
+            if request.cancelled:
+                request.events.put(("done", "cancelled"))
+                continue
+            row = free.pop(0)
+            if not self.rows:  # alone in the batch: start from a fresh policy, so runs repeat
+                self.decoder.reset_policy()
+            prefix = self.prompt_cache.lookup(request.prompt)
+            request.cached_tokens = int(prefix.length.item()) if prefix is not None else 0
+            token = self.decoder.insert(row, request.prompt, sampling=request.sampling, seed=request.seed,
+                                        prefix=prefix)
+            self.rows[row] = (request, list(request.prompt) + [token])
+            self._deliver(row, [token])
+
+    def _round(self) -> None:
+        step = self.decoder.step()
+        for i, row in enumerate(step.rows):
+            if row in self.rows:
+                request, tokens = self.rows[row]
+                tokens += step.emitted[i]
+                request.acceptance.add(len(step.emitted[i]), step.accepted[i], len(step.drafted[i]))
+                self._deliver(row, step.emitted[i])
+
+    def _deliver(self, row: int, emitted: list) -> None:
+        """Hand a row's new tokens to its request, cut at a stop token or the
+        budget; free the row when the request is finished or cancelled."""
+        request, tokens = self.rows[row]
+        if request.cancelled:
+            return self._finish(row, "cancelled")
+        kept = emitted[: request.max_tokens - request.produced]
+        stop = next((i for i, t in enumerate(kept) if t in request.stop_tokens), None)
+        if stop is not None:
+            kept = kept[: stop + 1]
+        request.produced += len(kept)
+        if kept:
+            request.events.put(("tokens", kept))
+        if stop is not None:
+            self._finish(row, "stop")
+        elif request.produced >= request.max_tokens:
+            self._finish(row, "length")
+
+    def _finish(self, row: int, reason: str) -> None:
+        request, tokens = self.rows.pop(row)
+        committed = int(self.decoder.committed[row])
+        self.prompt_cache.store(tokens[:committed], self.decoder.row_cache(row))
+        self.decoder.release(row)
+        request.events.put(("done", reason))

@@ -1,0 +1,258 @@
+"""``dspark serve`` through a real client: the ``openai`` package against a server this module starts."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import urllib.error
+import urllib.request
+
+import pytest
+
+import dspark_fn
+from dspark_fn.checkpoints import load_tokenizer
+from dspark_fn.evaluate import chat_tokens, stop_tokens
+from published import qwen3_pair
+
+openai = pytest.importorskip("openai")
+
+MARKER = "zebra-quartz-91"
+
+
+def get_json(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=30) as response:
+        return json.loads(response.read())
+
+
+def post(url: str, data: bytes) -> tuple[int, dict]:
+    request = urllib.request.Request(url, data=data, headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve")
+    qwen3_pair(tied=True, taps=[1, 2, 3, 4, 5])(root / "target", root / "draft")
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(pair):
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    log = pair / "server.log"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "dspark_fn.cli", "serve", "--model", str(pair / "target"), "--draft", str(pair / "draft"),
+         "--port", str(port), "--max-batch", "4", "--max-context", "512", "--dtype", "float32"],
+        stdout=log.open("w"), stderr=subprocess.STDOUT, env=dict(os.environ, DSPARK_FN_CACHE=str(pair / "costs")),
+    )
+    base = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        try:
+            get_json(base + "/health")
+            break
+        except OSError:
+            time.sleep(0.2)
+    else:
+        process.kill()
+        pytest.fail("server did not start: " + log.read_text())
+    yield base, process, log
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key="unused")
+
+
+@pytest.fixture(scope="module")
+def library(pair):
+    """The same pair in this process, for reference outputs."""
+    params = dspark_fn.models.load_named(str(pair / "target"), str(pair / "draft"), dtype=__import__("mlx.core").core.float32)[0]
+    tokenizer = load_tokenizer(pair / "target")
+    return params, tokenizer
+
+
+def detokenized(tokenizer, tokens: list) -> str:
+    """Text as the server's streaming detokenizer makes it (stop tokens left out)."""
+    detokenizer, stops = tokenizer.detokenizer, set(stop_tokens(tokenizer))
+    for token in tokens:
+        if token not in stops:
+            detokenizer.add_token(token)
+    detokenizer.finalize()
+    return detokenizer.text
+
+
+def reference_tokens(library, prompt: list, max_tokens: int) -> list:
+    params, tokenizer = library
+    stops = stop_tokens(tokenizer)
+    return [t for e in dspark_fn.generate(params, prompt, max_tokens, stop_tokens=stops) for t in e.emitted]
+
+
+def reference_text(library, text: str, max_tokens: int) -> str:
+    tokenizer = library[1]
+    return detokenized(tokenizer, reference_tokens(library, chat_tokens(tokenizer, text), max_tokens))
+
+
+def chat(client, text: str, **options):
+    options.setdefault("temperature", 0)
+    return client.chat.completions.create(model=options.pop("model", MODEL), messages=[{"role": "user", "content": text}],
+                                          **options)
+
+
+MODEL = None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def model_name(pair):
+    global MODEL
+    MODEL = str(pair / "target")
+
+
+def test_models_and_health(client, server):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    health = get_json(server[0] + "/health")
+    assert health["status"] == "ok" and health["active"] == 0
+
+
+def test_greedy_chat_equals_the_library(client, library):
+    reply = chat(client, "hello world", max_tokens=24)
+    assert reply.choices[0].message.content == reference_text(library, "hello world", 24)
+    assert reply.usage.completion_tokens <= 24 and reply.usage.prompt_tokens > 0
+    assert reply.model_extra["dspark"]["rounds"] >= 1
+
+
+def test_stream_carries_the_same_text(client, library):
+    stream = chat(client, "the quick brown fox", max_tokens=20, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == reference_text(library, "the quick brown fox", 20)
+    assert chunks[-1].usage.completion_tokens >= 1
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
+
+
+def test_concurrent_requests_each_equal_their_run_alone(client, library):
+    texts = ["hello", "lazy dog jumps", "def add(a, b)", "brown fox", "world world", "quick"]
+    replies = [None] * len(texts)
+
+    def ask(i):
+        replies[i] = chat(client, texts[i], max_tokens=30).choices[0].message.content
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(texts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert replies == [reference_text(library, t, 30) for t in texts]
+
+
+def test_text_completions_and_usage(client, library):
+    params, tokenizer = library
+    reply = client.completions.create(model=MODEL, prompt="hello world", max_tokens=10, temperature=0)
+    prompt = tokenizer.encode("hello world")
+    tokens = reference_tokens(library, prompt, 10)
+    assert reply.choices[0].text == detokenized(tokenizer, tokens)
+    assert reply.usage.prompt_tokens == len(prompt) and reply.usage.completion_tokens == len(tokens)
+
+
+def test_seeded_sampling_is_reproducible(client):
+    runs = [chat(client, "hello", max_tokens=20, temperature=1.0, seed=7).choices[0].message.content for _ in range(2)]
+    other = chat(client, "hello", max_tokens=20, temperature=1.0, seed=8).choices[0].message.content
+    assert runs[0] == runs[1] and len(runs[0]) > 0
+    assert other != runs[0] or len(runs[0]) < 3
+
+
+def test_n_choices(client):
+    reply = chat(client, "hello", max_tokens=12, temperature=1.0, seed=3, n=3)
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+
+
+def test_stop_strings_cut_the_text(client, library):
+    full = reference_text(library, "hello world", 40)
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    assert stop and stop in full
+    reply = chat(client, "hello world", max_tokens=40, stop=[stop])
+    assert reply.choices[0].message.content == full[: full.index(stop)]
+    assert reply.choices[0].finish_reason == "stop"
+
+
+def test_a_growing_conversation_reuses_its_prefix(client, library):
+    params, tokenizer = library
+    first = [{"role": "user", "content": "tell me about the lazy dog and the quick brown fox"}]
+    answer = client.chat.completions.create(model=MODEL, messages=first, max_tokens=30, temperature=0)
+    second = first + [{"role": "assistant", "content": answer.choices[0].message.content},
+                      {"role": "user", "content": "and the world?"}]
+    reply = client.chat.completions.create(model=MODEL, messages=second, max_tokens=20, temperature=0)
+    assert reply.usage.prompt_tokens_details.cached_tokens > 16
+    assert reply.model_extra["dspark"]["prompt_cache_hit"]
+    prompt = list(tokenizer.apply_chat_template(second, add_generation_prompt=True))
+    assert reply.choices[0].message.content == detokenized(tokenizer, reference_tokens(library, prompt, 20))
+
+
+BAD = {
+    "unknown model": ({"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}, 404, "not served here"),
+    "missing messages": ({"max_tokens": 3}, 400, "'messages' must be a non-empty list"),
+    "max_tokens zero": ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400, "'max_tokens' must be >= 1"),
+    "max_tokens past the context": ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5000}, 400,
+                                    "exceed the context"),
+    "prompt longer than the context": ({"messages": [{"role": "user", "content": "hello world " * 400}]}, 400,
+                                       "the context holds 512"),
+    "bad temperature": ({"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, 400, "'temperature' must be >= 0"),
+    "bad top_p": ({"messages": [{"role": "user", "content": "hi"}], "top_p": 0}, 400, "'top_p' must be > 0"),
+    "image content": ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+                      400, "only text content"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, client, case):
+    body, status, message = BAD[case]
+    body = {"model": MODEL, **body} if "model" not in body else body
+    code, reply = post(server[0] + "/v1/chat/completions", json.dumps(body).encode())
+    assert code == status
+    assert message in reply["error"]["message"]
+    assert chat(client, "hello", max_tokens=2).choices[0].message is not None
+
+
+def test_malformed_json(server):
+    code, reply = post(server[0] + "/v1/chat/completions", b"{not json")
+    assert code == 400 and "not valid JSON" in reply["error"]["message"]
+
+
+def test_a_client_that_leaves_frees_its_row(server, client):
+    stream = chat(client, "hello world", max_tokens=400, stream=True)
+    next(iter(stream))
+    stream.close()
+    for _ in range(100):
+        if get_json(server[0] + "/health")["active"] == 0:
+            break
+        time.sleep(0.1)
+    assert get_json(server[0] + "/health")["active"] == 0
+
+
+def test_prompts_are_not_logged_and_sigterm_stops_cleanly(server, client):
+    """SIGTERM finishes or cancels an in-flight stream (its last chunk says
+    which), the server shuts down without a traceback, and no prompt text
+    reached the log."""
+    base, process, log = server
+    chat(client, f"please remember {MARKER}", max_tokens=3)
+    streaming = iter(chat(client, "hello world", max_tokens=400, stream=True))
+    next(streaming)
+    process.send_signal(signal.SIGTERM)
+    chunks = list(streaming)
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+    assert process.wait(timeout=60) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once it is done
+    text = log.read_text()
+    assert MARKER not in text and "Traceback" not in text
