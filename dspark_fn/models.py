@@ -87,13 +87,25 @@ def load_named(model: str | None = None, draft: str | None = None, quant_target:
     local paths; ``dtype`` casts the target's float weights (e.g. bf16
     releases to float32, the fast dtype on CPUs); ``quant_target`` (4 or 8)
     then quantizes it, so the draft shares the quantized embedding and head."""
-    from . import checkpoints, gguf
+    from . import checkpoints
     from .hub import fetch
 
     target, draft = resolve(model, draft)
     if (model or DEFAULT_ALIAS) in ALIASES:
         check_fits(model or DEFAULT_ALIAS)
     draft_dir = fetch(draft, "draft")
+    config, target_params, tokenizer = load_target_named(target, quant_target, dtype)
+    return checkpoints.pair_with_draft(config, target_params, draft_dir), tokenizer, config
+
+
+def load_target_named(target: str | None = None, quant_target: int | None = None, dtype=None):
+    """``(config, target params, tokenizer or None)`` of a target alone: an
+    alias's target, a hub id, a local directory or a llama ``.gguf`` file
+    (``None``: the embedded SmolLM2-135M-Instruct)."""
+    from . import checkpoints, gguf
+    from .hub import fetch
+
+    target = ALIASES[target].target if target in ALIASES else target or ALIASES[DEFAULT_ALIAS].target
     if is_gguf_source(target):
         path = gguf.find_smollm2_gguf() if target == "smollm2-gguf" else Path(target)
         config, target_params, tokenizer = gguf.load_gguf_llama(path)
@@ -107,7 +119,7 @@ def load_named(model: str | None = None, draft: str | None = None, quant_target:
         from .quantize import quantize_target
 
         target_params, config = quantize_target(config, target_params, quant_target)
-    return checkpoints.pair_with_draft(config, target_params, draft_dir), tokenizer, config
+    return config, target_params, tokenizer
 
 
 def cast_floats(tree, dtype):

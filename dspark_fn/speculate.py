@@ -430,27 +430,33 @@ def prefill(params: Params, cache: Cache, prompt, *, sampling=GREEDY, chunk_size
     return Cache(state[0], state[1], lengths, cache.seeds), choose(last_logits, sampled_rows, mode, draws)
 
 
-def write_row(cache: Cache, row: int, single: Cache) -> Cache:
-    """``cache`` with row ``row`` replaced by the one-row cache ``single``
-    (same capacity; every buffer is batch-major)."""
+def place_rows(cache: Cache, rows: Sequence[int], part: Cache) -> Cache:
+    """``cache`` with its rows ``rows`` replaced by the rows of ``part`` (same
+    capacity; every buffer is batch-major)."""
+    index = mx.array(list(rows))
 
-    def put(batch: mx.array, one: mx.array) -> mx.array:
-        batch[row : row + 1] = one
+    def put(batch: mx.array, new: mx.array) -> mx.array:
+        batch[index] = new
         return batch
 
-    return Cache(*(tree_map(put, whole, part) for whole, part in zip(cache, single)))
+    return Cache(*(tree_map(put, whole, piece) for whole, piece in zip(cache, part)))
 
 
-def insert(params: Params, cache: Cache, row: int, prompt, *, sampling=GREEDY, seed: int = 0, prefix: Cache | None = None):
-    """Prefill one prompt into row ``row`` of a running batch; the other rows
-    are untouched. ``prefix`` (a one-row cache of this capacity holding the
-    prompt's first ``prefix.length`` tokens, e.g. a cached conversation) is
-    reused: only the rest of the prompt runs. Returns ``(cache, first token)``."""
-    single = prefix if prefix is not None else init_cache(params, 1, cache.capacity)
-    single = single._replace(seeds=row_seeds(seed, 1))
-    start = int(single.length.item())
-    single, token = prefill(params, single, [list(prompt)[start:]], sampling=sampling)
-    return write_row(cache, row, single), token[0]
+def insert(params: Params, cache: Cache, rows: Sequence[int], prompts, *, sampling=GREEDY, seeds: Sequence[int] = (),
+           prefix: Cache | None = None):
+    """Prefill new prompts into rows ``rows`` of a running batch, together in
+    one batch of their own; the other rows are untouched. Row ``rows[i]``
+    draws with seed ``seeds[i]`` (default 0). ``prefix`` (a one-row cache of
+    this capacity holding the first ``prefix.length`` tokens of a single
+    prompt, e.g. a cached conversation) is reused: only the rest runs.
+    Returns ``(cache, first tokens)``."""
+    prompts = [list(p) for p in prompts]
+    seeds = list(seeds) or [0] * len(rows)
+    part = prefix if prefix is not None else init_cache(params, len(rows), cache.capacity)
+    part = part._replace(seeds=mx.concatenate([row_seeds(seed, 1) for seed in seeds]))
+    starts = np.array(part.length)
+    part, tokens = prefill(params, part, [p[start:] for p, start in zip(prompts, starts)], sampling=sampling)
+    return place_rows(cache, rows, part), tokens
 
 
 class Event(NamedTuple):
@@ -623,16 +629,22 @@ class Decoder:
         mx.eval(self.tokens, self.proposal)
         return self.tokens.tolist()
 
-    def insert(self, row: int, prompt: list, *, sampling=GREEDY, seed: int = 0, prefix: Cache | None = None) -> int:
-        """Put a new sequence in the free row ``row`` between rounds; returns its first token."""
-        self.room_for_prompt(len(prompt))
+    def insert(self, rows: Sequence[int], prompts: list, *, sampling=GREEDY, seeds: Sequence[int] = (),
+               prefix: Cache | None = None) -> list[int]:
+        """New sequences in the free rows ``rows`` between rounds (prefilled
+        together); returns their first tokens. ``prefix``: see ``insert``."""
+        settings = [sampling] * len(rows) if isinstance(sampling, Sampling) else list(sampling)
+        self.room_for_prompt(max(map(len, prompts)))
         if prefix is not None and prefix.capacity < self.cache.capacity:
             prefix = grow_cache(self.params, prefix, self.cache.capacity)
-        self.cache, token = insert(self.params, self.cache, row, prompt, sampling=sampling, seed=seed, prefix=prefix)
-        self.tokens[row] = token
-        self.sampling[row], self.active[row], self.fresh[row] = sampling, True, True
-        self.committed[row] = len(prompt)
-        return int(token.item())
+        self.cache, tokens = insert(
+            self.params, self.cache, rows, prompts, sampling=settings, seeds=seeds, prefix=prefix
+        )
+        self.tokens[mx.array(list(rows))] = tokens
+        for row, prompt, setting in zip(rows, prompts, settings):
+            self.sampling[row], self.active[row], self.fresh[row] = setting, True, True
+            self.committed[row] = len(prompt)
+        return tokens.tolist()
 
     def reset_policy(self) -> None:
         """Forget what the gate learnt: a sequence that runs alone from here

@@ -1,20 +1,28 @@
-"""Draft distillation: the training forward, the loss going down, checkpoints and resume."""
+"""Draft distillation at scale, on tiny models: prompts without evaluation
+look-alikes, answers from continuous batching (resumable), feature shards
+on disk, the training forward, the loss going down, checkpoints and resume."""
 
-import numpy as np
+import json
+
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from dspark_fn import train
 from dspark_fn.cache import Cache
-from dspark_fn.noise import row_seeds
 from dspark_fn.checkpoints import load_draft, load_target
+from dspark_fn.distill import answers as answering
+from dspark_fn.distill import config as draft_setup
+from dspark_fn.distill import corpus as shards
+from dspark_fn.distill import objective, prompts, trainer
 from dspark_fn.drafts import resolve_arch
-from dspark_fn.speculate import PairSpec, Params, draft_block
-from helpers import build_target, target_config
+from dspark_fn.drafts.vocab import frequent_tokens
+from dspark_fn.noise import row_seeds
+from dspark_fn.speculate import PairSpec, Params, draft_block, generate
+from helpers import build_target, mlx_lm_greedy, target_config
 from numerics import assert_fp32_close
 
-PROMPTS, NEW_TOKENS, HELD_OUT = 24, 40, 4
+PROMPTS, NEW_TOKENS, HELD_OUT, SHARD_ROWS = 24, 40, 4, 8
 # fp32 budget (tests/numerics.py): the 6 target layers and the draft layer;
 # the widest sum is the MLP (2 * d) or a context of prompt + answer.
 BUDGET = dict(layers=7, reduction=128)
@@ -23,70 +31,140 @@ BUDGET = dict(layers=7, reduction=128)
 def bigram_target(directory, config):
     """A random target with its attention output switched off: each next
     token is a function of the current one, so its answers are learnable."""
-    build_target(directory, config, gain=3.0)
+    model = build_target(directory, config, gain=3.0)
     weights = mx.load(str(directory / "model.safetensors"))
     weights = {k: v * 0 if "o_proj" in k else v for k, v in weights.items()}
     mx.save_safetensors(str(directory / "model.safetensors"), weights)
+    model.load_weights(list(weights.items()))
+    return model
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    """A tiny target, its own greedy answers to random prompts, a fresh 1-layer draft."""
+    """A tiny target, its own greedy answers to random prompts (continuous
+    batching, 3 rows), their feature shards, a fresh 1-layer draft."""
     root = tmp_path_factory.mktemp("train")
     config = target_config(vocab=128)
-    bigram_target(root / "target", config)
+    model = bigram_target(root / "target", config)
     adapter, target_spec, target_params, _ = load_target(root / "target")
-    draft_config = train.draft_config_for(config, layers=1, block_size=4, markov_rank=8)
+    draft_config = draft_setup.draft_config_for(config, layers=1, block_size=4, markov_rank=8)
     arch = resolve_arch(draft_config)
     spec = arch.spec_from_config(draft_config)
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, 120, size=int(rng.integers(3, 10))).tolist() for _ in range(PROMPTS + HELD_OUT)]
-    corpus = train.target_corpus(
-        adapter, target_spec, target_params, prompts[:PROMPTS], spec.target_layer_ids, NEW_TOKENS, batch_size=8
-    )
-    draft = train.initial_draft(arch, spec, target_spec, target_params, seed=1)
+    draft = draft_setup.initial_draft(arch, spec, target_spec, target_params, seed=1)
     params = Params(PairSpec(adapter, target_spec, arch, spec), target_params, draft)
-    return dict(root=root, config=draft_config, params=params, corpus=corpus, held_out=prompts[PROMPTS:])
+    rng = np.random.default_rng(0)
+    prompt_ids = [rng.integers(0, 120, size=int(rng.integers(3, 10))).tolist() for _ in range(PROMPTS + HELD_OUT)]
+    pairs = [("test", p) for p in prompt_ids[:PROMPTS]]
+    answers = answering.answer_prompts(params, pairs, root / "answers.jsonl", 10**9, NEW_TOKENS, batch_size=3)
+    index = shards.build_shards(adapter, target_spec, target_params, spec.target_layer_ids, answers, root / "features",
+                                rows=SHARD_ROWS)
+    corpus = shards.load_shard(root / "features", index["shards"][0])
+    return dict(root=root, model=model, config=draft_config, params=params, answers=answers, index=index,
+                corpus=corpus, held_out=prompt_ids[PROMPTS:], pairs=pairs)
 
 
-def fixed_batch(corpus, count=8, seed=0):
-    rng = np.random.default_rng(seed)
-    candidates = train.anchor_candidates(np.array(corpus.loss_mask))
-    return train.sample_batch(corpus, candidates, np.arange(4), count, rng)
+def stream(setup):
+    return shards.shard_stream(setup["root"] / "features", setup["index"], np.random.default_rng(0))
 
 
 def tau(params, prompts):
-    return train.held_out_tau(params, prompts, NEW_TOKENS)
+    return trainer.held_out_tau(params, prompts, NEW_TOKENS)
+
+
+# ---- prompts
+
+
+def test_truncated_json_yields_its_complete_objects():
+    text = '[{"a": 1}, {"b": [2, 3]},\n {"c": "x'
+    assert list(prompts.complete_json_objects(text)) == [{"a": 1}, {"b": [2, 3]}]
+
+
+def test_evaluation_prompts_and_their_near_copies_are_dropped():
+    index = prompts.EvalIndex.bundled()
+    gsm8k = prompts.read_jsonl_prompts(prompts.EVAL_DIR / "gsm8k.jsonl")[3]
+    question = gsm8k.replace(prompts.MATH_SUFFIX, "")
+    assert index.resembles(gsm8k)  # exact
+    assert index.resembles(question)  # without the protocol suffix
+    assert index.resembles("Hi! " + question.replace(".", " .").upper() + " Thanks.")  # reworded around it
+    assert not index.resembles("Write a haiku about autumn leaves falling on a quiet pond at dusk.")
+    chosen = prompts.training_prompts(300, sources=("bundled", "math", "code"))
+    assert len({p.text for p in chosen}) == len(chosen) == 300
+    assert not any(index.resembles(p.text) for p in chosen)
+    assert {p.source for p in chosen} == {"bundled", "math", "code"}
+
+
+# ---- answers
+
+
+def test_answers_are_the_targets_greedy_continuations(setup):
+    """Continuous batching (3 rows refilled as answers end) gives each prompt
+    what the target alone writes."""
+    assert [a.prompt for a in setup["answers"]] == [p for _, p in setup["pairs"]]
+    for answer in setup["answers"][:6]:
+        assert answer.answer == mlx_lm_greedy(setup["model"], answer.prompt, NEW_TOKENS)
+
+
+def test_answering_resumes_after_an_interruption_and_extends(setup, tmp_path):
+    """Stopped after some answers, with a torn last line, then run again: the
+    file ends as a straight run's; a larger token target extends it."""
+    params, pairs = setup["params"], setup["pairs"]
+    path = tmp_path / "answers.jsonl"
+    answering.answer_prompts(params, pairs, path, 5 * NEW_TOKENS, NEW_TOKENS, batch_size=3)
+    partial = path.read_text().splitlines()
+    assert NEW_TOKENS * 5 <= sum(len(json.loads(line)["answer"]) for line in partial) < NEW_TOKENS * 12
+    path.write_text("\n".join(partial) + '\n{"source": "test", "prompt": [1, 2')  # torn by Ctrl-C
+    resumed = answering.answer_prompts(params, pairs, path, 10**9, NEW_TOKENS, batch_size=3)
+    assert sorted(map(tuple, (a.prompt for a in resumed))) == sorted(map(tuple, (p for _, p in pairs)))
+    by_prompt = {tuple(a.prompt): a.answer for a in setup["answers"]}
+    assert all(a.answer == by_prompt[tuple(a.prompt)] for a in resumed)
+
+
+# ---- corpus shards
 
 
 @pytest.mark.numerics
-def test_corpus_holds_the_targets_greedy_answers(setup):
+def test_shards_hold_teacher_forced_features_and_distributions(setup):
     corpus, params = setup["corpus"], setup["params"]
     spec = params.spec
     mask = np.array(corpus.loss_mask)
-    assert (mask.sum(axis=1) == NEW_TOKENS).all()  # no stop token: every answer runs to the budget
-    # one teacher-forced target pass over the recorded sequences gives the same taps and argmax
+    assert mask.sum() == sum(len(a.answer) for a in setup["answers"][:SHARD_ROWS])
     tokens = corpus.tokens
     kv = spec.target_adapter.init_kv(spec.target, tokens.shape[0], tokens.shape[1])
     hidden, features, _ = spec.target_adapter.forward(
         spec.target, params.target, kv, tokens, mx.zeros((tokens.shape[0],), mx.int32), spec.taps
     )
+    stored = np.array(corpus.features.astype(mx.float32))[mask]
+    expected = np.array(features)[mask]
+    assert np.abs(stored - expected).max() <= 1e-3 * np.abs(expected).max()  # stored as float16
     greedy = np.array(mx.argmax(spec.target_adapter.logits(spec.target, params.target, hidden), -1))
-    answer = mask[:, 1:]  # positions whose next token is part of the answer
-    assert (greedy[:, :-1][answer] == np.array(tokens)[:, 1:][answer]).all()
-    recorded = mask.copy()
-    last_answer_token = mask.shape[1] - 1 - np.argmax(mask[:, ::-1], axis=1)
-    recorded[np.arange(len(mask)), last_answer_token] = False  # never fed back to the target
-    assert_fp32_close(np.array(corpus.features)[recorded], np.array(features)[recorded], "taps", **BUDGET)
-    top_mass = np.array(corpus.top_probs).sum(-1)[:, :-1][answer]
-    assert ((top_mass > 0) & (top_mass <= 1 + 1e-5)).all()
+    probs = np.array(corpus.top_probs.astype(mx.float32))
+    best = np.take_along_axis(np.array(corpus.top_ids), probs.argmax(-1)[..., None], -1)[..., 0]
+    assert (best[mask] == greedy[mask]).all()  # the most likely of the top-K is the target's argmax
+    assert ((probs.sum(-1)[mask] > 0) & (probs.sum(-1)[mask] <= 1 + 1e-2)).all()
+
+
+def test_shards_resume_and_refuse_other_taps(setup, tmp_path):
+    params, answers = setup["params"], setup["answers"]
+    spec = params.spec
+    build = lambda answers, taps=spec.taps: shards.build_shards(  # noqa: E731
+        spec.target_adapter, spec.target, params.target, taps, answers, tmp_path, rows=SHARD_ROWS
+    )
+    first = build(answers[:8])
+    assert [s["file"] for s in first["shards"]] == ["shard-00000.npz"]
+    more = build(answers)
+    assert len(more["shards"]) == len(answers) // SHARD_ROWS and more["answers"] == len(more["shards"]) * SHARD_ROWS
+    with pytest.raises(ValueError, match="features of taps"):
+        build(answers, taps=(0,))
+
+
+# ---- the objective and the optimiser
 
 
 @pytest.mark.numerics
 def test_training_forward_equals_inference_with_context_cut_at_anchor(setup):
     params, corpus = setup["params"], setup["corpus"]
     spec, arch = params.spec.draft, params.spec.draft_arch
-    features, tokens = corpus.features[:1], np.array(corpus.tokens[:1])
+    features, tokens = corpus.features[:1].astype(mx.float32), np.array(corpus.tokens[:1])
     length = tokens.shape[1]
     anchors = [15, 27]
     for anchor in anchors:
@@ -97,7 +175,7 @@ def test_training_forward_equals_inference_with_context_cut_at_anchor(setup):
         proposal = draft_block(params, cache, mx.array(tokens[:, anchor]))
         # teacher forcing with the drafted tokens makes both chains identical
         tokens[0, anchor + 1 : anchor + spec.block_size] = np.array(proposal.tokens[0, :-1])
-        logits, confidence = train.training_forward(
+        logits, confidence = objective.training_forward(
             arch, spec, params.draft, features, mx.array(tokens), mx.array([anchors], mx.int32)
         )
         slot = anchors.index(anchor)
@@ -105,18 +183,46 @@ def test_training_forward_equals_inference_with_context_cut_at_anchor(setup):
         assert_fp32_close(confidence[0, slot], proposal.confidence_logits[0], "confidence logits", **BUDGET)
 
 
+def fixed_batch(corpus, count=8, seed=0):
+    rng = np.random.default_rng(seed)
+    candidates = objective.anchor_candidates(np.array(corpus.loss_mask))
+    return objective.sample_batch(corpus, candidates, np.arange(4), count, rng)
+
+
 def test_loss_falls_and_held_out_tau_rises(setup):
     params, corpus = setup["params"], setup["corpus"]
     spec = params.spec.draft
     batch = fixed_batch(corpus)
-    loss_before, _ = train.dspark_loss(params.spec.draft_arch, spec, params.draft, batch)
+    loss_before, _ = objective.dspark_loss(params.spec.draft_arch, spec, params.draft, batch)
     tau_before = tau(params, setup["held_out"])
-    config = train.TrainConfig(steps=60, learning_rate=3e-3, checkpoint_every=60, anchors_per_sequence=8)
-    (last,) = train.train(params.spec.draft_arch, spec, params.draft, corpus, config)
-    loss_after, _ = train.dspark_loss(params.spec.draft_arch, spec, last.draft_params, batch)
+    config = trainer.TrainConfig(steps=60, learning_rate=3e-3, checkpoint_every=60, anchors_per_sequence=8)
+    (last,) = trainer.train(params.spec.draft_arch, spec, params.draft, stream(setup), config)
+    loss_after, _ = objective.dspark_loss(params.spec.draft_arch, spec, last.draft_params, batch)
     tau_after = tau(params._replace(draft=last.draft_params), setup["held_out"])
     assert loss_after.item() < 0.6 * loss_before.item()
     assert tau_after > tau_before + 1.5
+
+
+def test_a_reduced_vocabulary_draft_trains_and_stays_lossless(setup, tmp_path):
+    """A draft proposing from the answers' 48 most frequent tokens: it
+    learns, its checkpoint keeps the vocabulary, and greedy output is the
+    target's."""
+    params, answers = setup["params"], setup["answers"]
+    target_spec = params.spec.target
+    ids = frequent_tokens([a.answer for a in answers], 48, target_spec.vocab_size)
+    config = dict(setup["config"], draft_vocab_size=48)
+    arch = resolve_arch(config)
+    spec = arch.spec_from_config(config)
+    draft = draft_setup.initial_draft(arch, spec, target_spec, params.target, seed=1, vocab_ids=ids)
+    pair = params._replace(spec=PairSpec(params.spec.target_adapter, target_spec, arch, spec), draft=draft)
+    settings = trainer.TrainConfig(steps=60, learning_rate=3e-3, checkpoint_every=60, anchors_per_sequence=8)
+    (last,) = trainer.train(arch, spec, draft, stream(setup), settings, tmp_path, config)
+    _, _, reloaded = load_draft(tmp_path, target_spec, params.target)
+    trained = pair._replace(draft=reloaded)
+    assert tau(trained, setup["held_out"]) > tau(pair, setup["held_out"]) + 1.0
+    for prompt in setup["held_out"][:2]:
+        events = generate(trained, prompt, NEW_TOKENS)
+        assert [t for e in events for t in e.emitted] == mlx_lm_greedy(setup["model"], prompt, NEW_TOKENS)
 
 
 def drafted(params, draft, prompt_length=12):
@@ -132,10 +238,10 @@ def drafted(params, draft, prompt_length=12):
 def test_saved_checkpoint_reloads_to_the_same_drafts(setup, tmp_path, dtype):
     params = setup["params"]
     arch, spec = params.spec.draft_arch, params.spec.draft
-    trainable, _ = train.split_frozen(params.draft)
-    optimizer = train.make_optimizer(train.TrainConfig())
+    trainable, frozen = trainer.split_frozen(params.draft)
+    optimizer = trainer.make_optimizer(trainer.TrainConfig())
     optimizer.init(trainable)
-    out = train.save_checkpoint(tmp_path, arch, spec, setup["config"], trainable, optimizer, 0, dtype)
+    out = trainer.save_checkpoint(tmp_path, arch, spec, setup["config"], trainable, frozen, optimizer, 0, dtype)
     stored = mx.load(str(out / "model.safetensors"))
     assert "embed_tokens.weight" not in stored and "lm_head.weight" not in stored
     assert {v.dtype for v in stored.values()} == {dtype}
@@ -148,14 +254,15 @@ def test_saved_checkpoint_reloads_to_the_same_drafts(setup, tmp_path, dtype):
 
 
 def test_resume_continues_from_the_saved_step(setup, tmp_path):
-    params, corpus = setup["params"], setup["corpus"]
+    params = setup["params"]
     arch, spec = params.spec.draft_arch, params.spec.draft
-    config = train.TrainConfig(steps=6, learning_rate=3e-3, checkpoint_every=3, anchors_per_sequence=8)
-    straight = list(train.train(arch, spec, params.draft, corpus, config))
+    config = trainer.TrainConfig(steps=6, learning_rate=3e-3, checkpoint_every=3, anchors_per_sequence=8,
+                                 steps_per_shard=2)
+    straight = list(trainer.train(arch, spec, params.draft, stream(setup), config))
     out = tmp_path / "run"
-    interrupted = train.train(arch, spec, params.draft, corpus, config, out, setup["config"])
+    interrupted = trainer.train(arch, spec, params.draft, stream(setup), config, out, setup["config"])
     assert next(interrupted).step == 3  # stop after the first checkpoint
-    resumed = list(train.train(arch, spec, params.draft, corpus, config, out, setup["config"], resume=True))
+    resumed = list(trainer.train(arch, spec, params.draft, stream(setup), config, out, setup["config"], resume=True))
     assert [p.step for p in resumed] == [6]
     final, expected = dict(tree_flatten(resumed[-1].draft_params)), dict(tree_flatten(straight[-1].draft_params))
     for name, value in expected.items():
@@ -163,6 +270,35 @@ def test_resume_continues_from_the_saved_step(setup, tmp_path):
 
 
 def test_default_taps_follow_deepspec():
-    assert train.spread_taps(36, 5) == [1, 9, 17, 25, 33]  # Qwen3-4B/8B releases
-    assert train.spread_taps(40, 5) == [1, 10, 19, 28, 37]  # Qwen3-14B
-    assert train.spread_taps(30, 3) == [1, 14, 27]  # SmolLM2's default draft
+    assert draft_setup.spread_taps(36, 5) == [1, 9, 17, 25, 33]  # Qwen3-4B/8B releases
+    assert draft_setup.spread_taps(40, 5) == [1, 10, 19, 28, 37]  # Qwen3-14B
+    assert draft_setup.spread_taps(30, 3) == [1, 14, 27]  # SmolLM2's default draft
+
+
+def test_distil_end_to_end_writes_a_draft_that_decodes_losslessly(tmp_path):
+    """``distil`` from nothing: prompts, answers, shards, a reduced-vocabulary
+    draft; run again, every stage resumes and nothing is redone."""
+    from mlx_lm.utils import load_model
+
+    from dspark_fn import distill
+    from dspark_fn.models import load_named
+    from published import qwen3_pair
+
+    qwen3_pair(tied=True, taps=[1, 2, 3])(tmp_path / "target", tmp_path / "unused")
+    setup = distill.DistilConfig(taps=(1, 3), block_size=4, markov_rank=8, draft_vocab=64, answer_tokens=600,
+                                 max_new_tokens=48, sources=("bundled",), answer_batch=4, shard_rows=4, held_out=2,
+                                 eval_new_tokens=24)
+    config = trainer.TrainConfig(steps=4, checkpoint_every=4, anchors_per_sequence=4, sequences_per_step=2)
+    last = distill.distil(str(tmp_path / "target"), tmp_path / "run", setup, config, log=lambda line: None)
+    assert last.step == 4 and last.tau >= 1
+    answers = answering.read_answers(tmp_path / "run" / "answers.jsonl")
+    assert sum(len(a.answer) for a in answers) >= 600
+    again = distill.distil(str(tmp_path / "target"), tmp_path / "run", setup, config, resume=True, log=lambda line: None)
+    assert again is None  # the checkpoint already holds every step
+    assert answering.read_answers(tmp_path / "run" / "answers.jsonl") == answers
+    params, _, _ = load_named(str(tmp_path / "target"), str(tmp_path / "run" / "draft"), dtype=mx.float32)
+    assert params.spec.draft.draft_vocab_size == 64
+    model, _ = load_model(tmp_path / "target")
+    model.set_dtype(mx.float32)
+    prompt = answers[0].prompt
+    assert [t for e in generate(params, prompt, 24) for t in e.emitted] == mlx_lm_greedy(model, prompt, 24)

@@ -86,6 +86,19 @@ def confidence_logit(spec: DSparkFields, params: dict, hidden: mx.array, embeddi
     return z[..., 0]
 
 
+def slot_heads(spec: DSparkFields, params: dict, base_logits: mx.array, head_hidden: mx.array, prev: mx.array):
+    """The Markov-corrected logits and the confidence logit of draft slots
+    whose previous token is ``prev`` (any leading shape: one slot while
+    drafting, every slot at once when training with known tokens)."""
+    embedding = markov_embedding(params, prev) if spec.markov_rank else None
+    logits = base_logits + markov_bias(params, embedding) if spec.markov_rank else base_logits
+    if spec.confidence_head:
+        confidence = confidence_logit(spec, params, head_hidden, embedding)
+    else:
+        confidence = mx.zeros(prev.shape, mx.float32)
+    return logits, confidence
+
+
 def draft_chain(
     spec: DSparkFields,
     params: dict,
@@ -103,16 +116,9 @@ def draft_chain(
     prev = anchor
     tokens, logits, confidences = [], [], []
     for slot in range(base_logits.shape[1]):
-        corrected = base_logits[:, slot]
-        embedding = None
-        if spec.markov_rank:
-            embedding = markov_embedding(params, prev)
-            corrected = corrected + markov_bias(params, embedding)
-        if spec.confidence_head:
-            confidences.append(confidence_logit(spec, params, head_hidden[:, slot], embedding))
-        else:
-            confidences.append(mx.zeros(anchor.shape, mx.float32))
+        corrected, confidence = slot_heads(spec, params, base_logits[:, slot], head_hidden[:, slot], prev)
         prev = choose(corrected, slot)
         tokens.append(prev)
         logits.append(corrected)
+        confidences.append(confidence)
     return mx.stack(tokens, 1), mx.stack(logits, 1), mx.stack(confidences, 1)

@@ -196,8 +196,8 @@ class Engine:
                 self.decoder.reset_policy()
             prefix = self.prompt_cache.lookup(request.prompt)
             request.cached_tokens = int(prefix.length.item()) if prefix is not None else 0
-            token = self.decoder.insert(row, request.prompt, sampling=request.sampling, seed=request.seed,
-                                        prefix=prefix)
+            [token] = self.decoder.insert([row], [request.prompt], sampling=request.sampling, seeds=[request.seed],
+                                          prefix=prefix)
             self.rows[row] = (request, list(request.prompt) + [token])
             self._deliver(row, [token])
 

@@ -1,0 +1,166 @@
+"""Distil a DSpark draft from its target (DeepSpec recipe, spec §2.4), in stages
+that each keep their progress on disk, so a run resumes and grows:
+
+1. ``prompts``: training prompts from the bundled file, ShareGPT and
+   templates, with every evaluation prompt's exact and near duplicates dropped;
+2. ``answers``: the target answers them (greedy) through the library's own
+   continuous batching, into ``answers.jsonl`` (token ids);
+3. ``corpus``: batched teacher-forced target passes turn answers into
+   on-disk shards of features and top-K distributions;
+4. ``objective`` + ``trainer``: the DeepSpec loss over anchor blocks, AdamW,
+   resumable DeepSpec-format checkpoints.
+
+``config`` builds the draft's configuration and first weights.
+"""
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import mlx.core as mx
+import numpy as np
+
+from ..checkpoints import check_draft_fits
+from ..drafts import resolve_arch
+from ..drafts.vocab import frequent_tokens
+from ..speculate import PairSpec, Params
+from ..targets import resolve_target
+from .answers import answer_prompts, read_answers, single_stream_speed
+from .config import draft_config_for, initial_draft
+from .corpus import build_shards, shard_stream
+from .prompts import BUNDLED, Prompt, read_jsonl_prompts, training_prompts
+from .trainer import TrainConfig, held_out_tau, train
+
+ANSWERS_FILE = "answers.jsonl"
+FEATURES_DIR = "features"
+DRAFT_DIR = "draft"
+
+
+@dataclass(frozen=True)
+class DistilConfig:
+    """What ``distil`` needs beyond the optimiser settings."""
+
+    layers: int = 1
+    taps: tuple | None = None  # default: spread_taps(target depth, 3)
+    block_size: int = 5
+    markov_rank: int = 32
+    draft_vocab: int = 0  # propose from this many of the answers' most frequent tokens (0: all)
+    mask_token_id: int | None = None  # default: the last vocabulary row
+    answer_tokens: int = 1_000_000  # answer tokens to collect before training
+    max_new_tokens: int = 256
+    max_prompt_tokens: int = 256
+    sources: tuple = ("bundled", "sharegpt", "math", "code")
+    prompts_file: str | None = None  # a .jsonl of extra prompts, used first
+    answer_batch: int = 16
+    shard_rows: int = 64  # answers per feature shard (one shard is in memory at a time)
+    held_out: int = 8  # the bundled file's last prompts, never trained on, score tau
+    eval_new_tokens: int = 128
+    save_dtype: str = "float16"
+    dtype: str | None = "float32"  # the target's compute dtype while distilling (None: as stored)
+
+
+def prompt_ids(setup: DistilConfig, tokenizer, held_out: set) -> list[tuple[str, list]]:
+    """Chat-templated token ids of the training prompts, none held out, none too long."""
+    from ..evaluate import chat_tokens
+
+    extra = [Prompt("file", text) for text in read_jsonl_prompts(setup.prompts_file)] if setup.prompts_file else []
+    count = max(1000, setup.answer_tokens // 60)  # answers average well over 60 tokens
+    ids = []
+    for prompt in extra + training_prompts(count, sources=setup.sources):
+        if prompt.text in held_out:
+            continue
+        tokens = chat_tokens(tokenizer, prompt.text)
+        if len(tokens) <= setup.max_prompt_tokens:
+            ids.append((prompt.source, tokens))
+    return ids
+
+
+def distil(target_source, out_dir, setup: DistilConfig, config: TrainConfig, resume=False,
+           log: Callable[[str], None] = print, progress=None) -> object:
+    """Train a DSpark draft for a target into ``out_dir/draft`` (DeepSpec
+    layout), every stage resumable from what ``out_dir`` holds. ``progress``
+    (``tqdm``-like factory: ``progress(total, label)``) shows each stage with
+    its ETA. Returns the last ``Progress``."""
+    from ..evaluate import chat_tokens, stop_tokens
+    from ..models import load_target_named
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    target_config, target_params, tokenizer = load_target_named(
+        target_source, dtype=getattr(mx, setup.dtype) if setup.dtype else None
+    )
+    if tokenizer is None:
+        raise ValueError(f"target {target_source} has no tokenizer: cannot read text prompts")
+    adapter = resolve_target(target_config)
+    target_spec = adapter.spec_from_config(target_config)
+    stops = stop_tokens(tokenizer)
+    bundled = read_jsonl_prompts(BUNDLED)
+    held_texts = bundled[len(bundled) - setup.held_out :]
+
+    def draft_for(vocab_ids):
+        draft_config = draft_config_for(
+            target_config, setup.layers, setup.taps, setup.block_size, setup.markov_rank, setup.mask_token_id,
+            draft_vocab=len(vocab_ids) if vocab_ids is not None else 0,
+        )
+        arch = resolve_arch(draft_config)
+        spec = arch.spec_from_config(draft_config)
+        check_draft_fits(spec, target_spec)
+        draft = initial_draft(arch, spec, target_spec, target_params, seed=config.seed, vocab_ids=vocab_ids)
+        return draft_config, arch, spec, Params(PairSpec(adapter, target_spec, arch, spec), target_params, draft)
+
+    # 1-2: the target's own answers (plain target steps; the fresh draft only keeps its context)
+    _, _, spec, params = draft_for(None)
+    prompts = prompt_ids(setup, tokenizer, set(held_texts))
+    have = sum(len(a.answer) for a in read_answers(out / ANSWERS_FILE))
+    if have < setup.answer_tokens:
+        log(f"answering: a single stream decodes {single_stream_speed(params, prompts[0][1], 32, stops):.1f} tokens/s")
+        bar = progress(setup.answer_tokens, "answer tokens") if progress else None
+        seen = [have]
+
+        def on_answer(count, tokens):
+            if bar is not None:
+                bar.update(tokens - seen[0])
+                bar.set_postfix(answers=count)
+            seen[0] = tokens
+
+        answer_prompts(params, prompts, out / ANSWERS_FILE, setup.answer_tokens, setup.max_new_tokens, stops,
+                       setup.answer_batch, on_answer)
+        if bar is not None:
+            bar.close()
+    answers = read_answers(out / ANSWERS_FILE)
+    log(f"answers: {len(answers)}, {sum(len(a.answer) for a in answers)} tokens")
+
+    # 3: features on disk
+    bar = progress(len(answers), "features") if progress else None
+    index = build_shards(adapter, target_spec, target_params, spec.target_layer_ids, answers, out / FEATURES_DIR,
+                         setup.max_prompt_tokens + setup.max_new_tokens,
+                         on_shard=lambda done, total: bar.update(done - bar.n) if bar else None,
+                         rows=setup.shard_rows)
+    if bar is not None:
+        bar.close()
+    if not index["shards"]:
+        raise ValueError("not enough answers for one corpus shard yet: answer more prompts first")
+
+    # 4: the draft (its vocabulary from the answers), trained over the shards
+    vocab_ids = None
+    if setup.draft_vocab:
+        vocab_ids = frequent_tokens([a.answer for a in answers], setup.draft_vocab, target_spec.vocab_size, stops)
+    draft_config, arch, spec, params = draft_for(vocab_ids)
+    held_out = [chat_tokens(tokenizer, text) for text in held_texts]
+
+    def evaluate(draft_params):
+        return held_out_tau(params._replace(draft=draft_params), held_out, setup.eval_new_tokens, stops)
+
+    shards = shard_stream(out / FEATURES_DIR, index, np.random.default_rng(config.seed))
+    bar = progress(config.steps, "train steps") if progress else None
+    last = None
+    for last in train(arch, spec, params.draft, shards, config, out / DRAFT_DIR, draft_config, resume, evaluate,
+                      getattr(mx, setup.save_dtype)):
+        if bar is not None:
+            bar.update(last.step - bar.n)
+        parts = " ".join(f"{name} {value:.3f}" for name, value in last.parts.items())
+        log(f"step {last.step}/{config.steps} loss {last.loss:.4f} ({parts}) "
+            f"{last.steps_per_second:.2f} steps/s held-out tau {last.tau:.2f}")
+    if bar is not None:
+        bar.close()
+    return last

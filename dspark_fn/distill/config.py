@@ -1,0 +1,73 @@
+"""A DSpark draft's configuration and first weights, for a given target."""
+
+from typing import Sequence
+
+import numpy as np
+
+from ..checkpoints import SHARED_WITH_TARGET, draft_params_from_weights
+from ..drafts.heads import DRAFT_VOCAB_KEY
+from ..drafts.init import random_draft_weights
+
+
+def spread_taps(num_target_layers: int, count: int) -> list:
+    """DeepSpec/DFlash default taps: from layer 1 to layer N-3, evenly spread."""
+    if count == 1:
+        return [1]
+    return [round(1 + i * (num_target_layers - 4) / (count - 1)) for i in range(count)]
+
+
+def draft_config_for(
+    target_config: dict,
+    layers: int = 1,
+    taps: Sequence[int] | None = None,
+    block_size: int = 5,
+    markov_rank: int = 32,
+    mask_token_id: int | None = None,
+    draft_vocab: int = 0,
+) -> dict:
+    """A DeepSpec qwen3 draft config for ``target_config`` (a copy of the
+    target's geometry plus the DSpark keys)."""
+    depth = target_config["num_hidden_layers"]
+    heads = target_config["num_attention_heads"]
+    config = {
+        key: target_config[key]
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads")
+    }
+    config.update(
+        model_type="qwen3",
+        architectures=["Qwen3DSparkModel"],
+        num_key_value_heads=target_config.get("num_key_value_heads", heads),
+        head_dim=target_config.get("head_dim") or target_config["hidden_size"] // heads,
+        rms_norm_eps=target_config.get("rms_norm_eps", 1e-6),
+        rope_theta=target_config.get("rope_theta", 10000.0),
+        rope_scaling=target_config.get("rope_scaling"),
+        max_position_embeddings=target_config.get("max_position_embeddings", 4096),
+        hidden_act="silu",
+        attention_bias=False,
+        tie_word_embeddings=False,
+        num_hidden_layers=layers,
+        layer_types=["full_attention"] * layers,
+        num_target_layers=depth,
+        target_layer_ids=list(taps) if taps else spread_taps(depth, 3),
+        block_size=block_size,
+        mask_token_id=target_config["vocab_size"] - 1 if mask_token_id is None else mask_token_id,
+        markov_rank=markov_rank,
+        markov_head_type="vanilla",
+        enable_confidence_head=True,
+        confidence_head_with_markov=markov_rank > 0,
+    )
+    if draft_vocab:
+        config["draft_vocab_size"] = draft_vocab
+    return config
+
+
+def initial_draft(arch, spec, target_spec, target_params: dict, seed: int = 0, vocab_ids=None) -> dict:
+    """Fresh draft parameters around the target's own embedding and output
+    head; with ``vocab_ids`` the draft proposes from those target ids only."""
+    weights = random_draft_weights(arch, spec, seed=seed)
+    weights = {key: value for key, value in weights.items() if key not in SHARED_WITH_TARGET}
+    if spec.draft_vocab_size:
+        import mlx.core as mx
+
+        weights[DRAFT_VOCAB_KEY] = mx.array(np.asarray(vocab_ids, np.int32))
+    return draft_params_from_weights(arch, spec, weights, target_params, target_spec)
