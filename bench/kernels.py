@@ -16,8 +16,9 @@ import time
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from dspark_fn.speculate import capacity_for, generate, init_cache, no_proposal, propose, verify
-from dspark_fn.benchmark import mlx_lm_model
+from dspark_fn import generate, init_cache, propose, verify
+from dspark_fn.rounds import capacity_for, no_proposal
+from dspark_fn.checkpoints import mlx_lm_model
 from dspark_fn.targets import target_module
 from dspark_fn.drafts.heads import DRAFT_VOCAB_KEY
 from dspark_fn.models import load_named

@@ -21,11 +21,12 @@ import mlx.core as mx
 from workloads import dspark_generate, eager, fixture_pair, median_seconds, mlx_lm_generate
 
 from dspark_fn import Sampling
-from dspark_fn.benchmark import mlx_lm_model, run_bench
+from dspark_fn.benchmark import run_bench
+from dspark_fn.checkpoints import mlx_lm_model
 from dspark_fn.evaluate import chat_tokens, first_turns, stop_tokens
 from dspark_fn.models import load_named
 from dspark_fn.quantize import quantize_draft
-from dspark_fn.speculate import generate
+from dspark_fn import generate
 from dspark_fn.stats import Acceptance
 
 N = int(os.environ.get("N", 50))

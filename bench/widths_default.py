@@ -4,7 +4,8 @@ dspark_fn at fixed widths and ``auto``, same prompts, one process.
     python bench/widths_default.py            # 4 gsm8k prompts x 96 tokens, 2 passes
 """
 
-from dspark_fn.benchmark import baseline_tokens, dspark_tokens, mlx_lm_model, timed
+from dspark_fn.benchmark import baseline_tokens, dspark_tokens, timed
+from dspark_fn.checkpoints import mlx_lm_model
 from dspark_fn.evaluate import chat_tokens, first_turns, stop_tokens
 from dspark_fn.models import load_named
 from dspark_fn.stats import Acceptance

@@ -1,37 +1,55 @@
-"""dspark_fn: DSpark self-speculative decoding as pure, compiled MLX functions."""
+"""dspark_fn: DSpark self-speculative decoding as pure, compiled MLX functions.
 
-from .cache import Cache
-from .checkpoints import load, load_draft, load_target
-from .drafts import ARCH_REGISTRY, DraftArch, register_arch, resolve_arch
-from .sampling import GREEDY, Sampling
-from .schedule import CostCurve, VerifyPolicy
-from .speculate import (
-    TRACE_COUNTS,
-    Event,
-    PairSpec,
-    Params,
-    Proposal,
-    Round,
-    draft_block,
-    generate,
-    grow_cache,
-    init_cache,
-    prefill,
-    propose,
-    speculate,
-    verify,
-    verify_and_commit,
-    verify_block,
-    verify_policy,
-)
-from .targets import TARGET_REGISTRY, TargetAdapter, register_target, resolve_target
+Layers, each importing only from those above it: ``ops``, ``cache``,
+``noise``, ``sampling``, ``accept``; the family layers (``layers/``) below
+``targets/`` and ``drafts/``; ``types``; ``rounds`` (one round: prefill,
+insert, draft, verify, commit); ``schedule`` and ``costs`` (verify widths);
+``driver`` (``Decoder``, ``generate``); then the tools: ``checkpoints``,
+``models``, ``quantize``, ``serve``, ``distill``, ``evaluate``,
+``benchmark``, ``cli``.
+
+Shape letters used in docstrings: B batch rows, L tokens in a forward, C
+cache capacity (slots), W verify width (anchor + drafts), G draft block
+size, V vocabulary, V' draft vocabulary, d hidden size, F tapped features
+(taps x d), H / H_kv query / key-value heads, D head dim, K top-K.
+"""
+
+from importlib import import_module
+
+# Each public name and the module it lives in; imported on first use, so a
+# tool (``dspark --help``, loading a checkpoint) loads only what it needs.
+_EXPORTS = {
+    "Cache": "cache",
+    "load": "checkpoints", "load_draft": "checkpoints", "load_target": "checkpoints",
+    "verify_policy": "costs",
+    "ARCH_REGISTRY": "drafts", "DraftArch": "drafts", "register_arch": "drafts", "resolve_arch": "drafts",
+    "Decoder": "driver", "generate": "driver",
+    "draft_block": "rounds", "grow_cache": "rounds", "init_cache": "rounds", "insert": "rounds",
+    "prefill": "rounds", "propose": "rounds", "speculate": "rounds", "verify": "rounds",
+    "verify_and_commit": "rounds", "verify_block": "rounds",
+    "GREEDY": "sampling", "Sampling": "sampling",
+    "CostCurve": "schedule", "VerifyPolicy": "schedule",
+    "TARGET_REGISTRY": "targets", "TargetAdapter": "targets", "register_target": "targets",
+    "resolve_target": "targets",
+    "Event": "types", "PairSpec": "types", "Params": "types", "Proposal": "types", "Round": "types",
+    "Step": "types",
+}
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'dspark_fn' has no attribute {name!r}")
+    value = getattr(import_module(f".{_EXPORTS[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "ARCH_REGISTRY",
     "TARGET_REGISTRY",
-    "TRACE_COUNTS",
     "Cache",
     "CostCurve",
+    "Decoder",
     "DraftArch",
     "Event",
     "GREEDY",
@@ -40,12 +58,14 @@ __all__ = [
     "Proposal",
     "Round",
     "Sampling",
+    "Step",
     "TargetAdapter",
     "VerifyPolicy",
     "draft_block",
     "generate",
     "grow_cache",
     "init_cache",
+    "insert",
     "load",
     "load_draft",
     "load_target",

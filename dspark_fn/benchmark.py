@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from .checkpoints import mlx_lm_model
-from .speculate import capacity_for, generate, init_cache, prefill, prefill_slots, propose, verify
+from .driver import generate
+from .rounds import capacity_for, init_cache, prefill, prefill_slots, propose, verify
 from .stats import Acceptance
 
 

@@ -12,8 +12,9 @@ from . import ops
 from .drafts import resolve_arch
 from .drafts.heads import DRAFT_VOCAB_KEY
 from .drafts.vocab import check_vocabulary, restrict_vocabulary
-from .speculate import PairSpec, Params
-from .targets import family_of, resolve_target, target_module, text_model_config
+from .types import PairSpec, Params
+from .registry import family_of
+from .targets import resolve_target, target_module, text_model_config
 
 # Draft tensors that DeepSpec copies from the target; taken from it when absent.
 SHARED_WITH_TARGET = ("embed_tokens.weight", "lm_head.weight")

@@ -134,7 +134,8 @@ def warm_up(events) -> None:
 
 
 def run_generate(args) -> int:
-    from .speculate import TRACE_COUNTS, generate
+    from .driver import generate
+    from .rounds import TRACE_COUNTS
     from .stats import DecodeClock
 
     params, tokenizer, config = load(args)
@@ -186,7 +187,8 @@ def run_generate(args) -> int:
         file=sys.stderr,
     )
     if args.compare:
-        from .benchmark import baseline_tokens, mlx_lm_model, timed
+        from .benchmark import baseline_tokens, timed
+        from .checkpoints import mlx_lm_model
 
         target = mlx_lm_model(config, params.target)
         baseline_tokens(target, prompts[0], 4, set(stop))
@@ -215,7 +217,8 @@ def prompt_set(args, tokenizer) -> list[list[int]]:
 
 
 def run_bench(args) -> int:
-    from .benchmark import mlx_lm_model, run_bench as bench
+    from .benchmark import run_bench as bench
+    from .checkpoints import mlx_lm_model
 
     params, tokenizer, config = load(args)
     prompts = prompt_set(args, tokenizer)

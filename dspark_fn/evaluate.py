@@ -6,7 +6,7 @@ import random
 from pathlib import Path
 from typing import Callable, Iterable
 
-from .speculate import generate
+from .driver import generate
 from .stats import Acceptance
 
 DATA_DIR = Path(__file__).parent / "data" / "eval"

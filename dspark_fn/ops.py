@@ -79,6 +79,13 @@ def softcap(logits: mx.array, cap: float | None) -> mx.array:
     return logits if not cap else cap * mx.tanh(logits / cap)
 
 
+def rope_parameters(config: dict) -> dict:
+    """HF ``rope_parameters`` (transformers 5) or the older flat keys, as one dict."""
+    rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    rope.setdefault("rope_theta", config.get("rope_theta", 10000.0))
+    return rope
+
+
 def rope_inv_freq(head_dim: int, rope: dict) -> mx.array:
     """Inverse frequencies ``[head_dim // 2]`` for an HF ``rope_parameters`` dict.
 

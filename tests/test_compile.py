@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 
 import dspark_fn
-from dspark_fn import TRACE_COUNTS
+from dspark_fn.rounds import TRACE_COUNTS
 from dspark_fn.schedule import CostCurve
-from dspark_fn.speculate import capacity_for
+from dspark_fn.rounds import capacity_for
 from helpers import build_draft, build_target, draft_config, random_prompt, speculative_tokens, target_config
 
 BLOCK = 4

@@ -4,7 +4,6 @@ import json
 import subprocess
 import sys
 
-import pytest
 
 from dspark_fn.models import DEFAULT_DRAFT
 from helpers import missing_prerequisite

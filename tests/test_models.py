@@ -1,6 +1,7 @@
 """Loading by name (aliases, hub cache, local paths) and quantized drafts."""
 
 import shutil
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -13,7 +14,7 @@ from dspark_fn.quantize import quantize_draft
 from helpers import build_draft, build_target, draft_config, mlx_lm_greedy, random_prompt, speculative_tokens, target_config
 
 
-def populate_hub_cache(cache: "Path", repo_id: str, source: "Path") -> None:
+def populate_hub_cache(cache: Path, repo_id: str, source: Path) -> None:
     """Lay out ``source`` as huggingface-hub's cache would after a download."""
     repo = cache / ("models--" + repo_id.replace("/", "--"))
     snapshot = repo / "snapshots" / ("0" * 40)

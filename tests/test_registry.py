@@ -49,7 +49,8 @@ def block_forward(spec, params, state, length, block_ids):
     return ops.linear(params["lm_head"], hidden), hidden
 
 
-TOY = DraftArch(spec_from_config, checkpoint_shapes, lambda key: key, init_context, extend_context, block_forward)
+TOY = DraftArch(spec_from_config=spec_from_config, checkpoint_shapes=checkpoint_shapes, init_context=init_context,
+                extend_context=extend_context, block_forward=block_forward)
 
 
 @pytest.fixture()

@@ -1,13 +1,14 @@
 """Confidence-scheduled verification: Algorithm 1, the threshold cut, cost curves, width buckets."""
 
+import importlib
 import json
-import sys
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
 import dspark_fn
+from dspark_fn.rounds import TRACE_COUNTS
 from dspark_fn.schedule import (
     CostCurve,
     DraftGate,
@@ -29,7 +30,7 @@ from helpers import (
     target_config,
 )
 
-speculate_module = sys.modules["dspark_fn.speculate"]  # the package re-exports a function of the same name
+costs_module = importlib.import_module("dspark_fn.costs")
 
 CONFIG = target_config("qwen3", vocab=64, hidden=32, layers=3, heads=2, kv_heads=1, head_dim=16)
 BLOCK = 5
@@ -129,13 +130,13 @@ def test_auto_measures_on_first_use_then_reuses(pair, tmp_path, monkeypatch):
     _, params = pair
     monkeypatch.setenv("DSPARK_FN_CACHE", str(tmp_path))
     measured = []
-    real = speculate_module.measure_costs
+    real = costs_module.measure_costs
 
     def counting(*args, **kwargs):
         measured.append(args[1:3])
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(speculate_module, "measure_costs", counting)
+    monkeypatch.setattr(costs_module, "measure_costs", counting)
     prompt = [3, 4, 5]
     runs = [speculative_tokens(params, prompt, 12, width="auto") for _ in range(2)]
     assert runs[0] == runs[1]
@@ -173,13 +174,13 @@ def test_switching_widths_never_retraces(pair):
     for width in BUCKETS:  # first use of every bucket compiles it
         cache, result = dspark_fn.speculate(params, cache, tokens, width=width)
         tokens = result.next_tokens
-    before = dict(dspark_fn.TRACE_COUNTS)
+    before = dict(TRACE_COUNTS)
     for width in schedule:
         limit = np.random.default_rng(width).integers(0, width, size=2)
         cache, result = dspark_fn.speculate(params, cache, tokens, width=width, limit=mx.array(limit, mx.int32))
         tokens = result.next_tokens
         assert (np.array(result.accepted) <= limit).all()
-    assert dict(dspark_fn.TRACE_COUNTS) == before
+    assert dict(TRACE_COUNTS) == before
 
 
 def test_limit_caps_an_always_right_proposal(pair):

@@ -18,7 +18,8 @@ from dspark_fn.distill import objective, prompts, trainer
 from dspark_fn.drafts import resolve_arch
 from dspark_fn.drafts.vocab import frequent_tokens
 from dspark_fn.noise import row_seeds
-from dspark_fn.speculate import PairSpec, Params, draft_block, generate
+from dspark_fn import draft_block, generate
+from dspark_fn.types import PairSpec, Params
 from helpers import build_target, mlx_lm_greedy, target_config
 from numerics import assert_fp32_close
 

@@ -18,7 +18,6 @@ from helpers import (
     damp_attention,
     mlx_lm_greedy,
     random_prompt,
-    speculative_tokens,
     target_config,
 )
 from numerics import assert_fp32_close

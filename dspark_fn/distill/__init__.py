@@ -23,7 +23,7 @@ import numpy as np
 from ..checkpoints import check_draft_fits
 from ..drafts import resolve_arch
 from ..drafts.vocab import frequent_tokens
-from ..speculate import PairSpec, Params
+from ..types import PairSpec, Params
 from ..targets import resolve_target
 from .answers import answer_prompts, read_answers, single_stream_speed
 from .config import draft_config_for, initial_draft

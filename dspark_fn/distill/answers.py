@@ -15,7 +15,8 @@ from collections import deque
 from pathlib import Path
 from typing import Callable, NamedTuple, Sequence
 
-from ..speculate import Decoder, Params, generate
+from ..driver import Decoder, generate
+from ..types import Params
 
 
 class Answer(NamedTuple):

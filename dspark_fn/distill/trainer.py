@@ -20,9 +20,10 @@ from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from ..checkpoints import SHARED_WITH_TARGET, read_safetensors, save_draft
 from ..drafts.heads import DRAFT_VOCAB_KEY
-from ..speculate import Params, generate
+from ..driver import generate
+from ..types import Params
 from .corpus import Corpus
-from .objective import Vocabulary, anchor_candidates, corpus_vocabulary, dspark_loss, sample_batch, vocabulary_of
+from .objective import anchor_candidates, corpus_vocabulary, dspark_loss, sample_batch, vocabulary_of
 
 OPTIMIZER_FILE = "optimizer.npz"
 STATE_FILE = "trainer_state.json"

@@ -1,7 +1,7 @@
 """The interface every DSpark draft architecture implements, and the fields all share."""
 
 from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from typing import Callable
 
 
 @dataclass(frozen=True)
@@ -31,13 +31,9 @@ def dspark_fields(config: dict) -> dict:
     head_type = config.get("markov_head_type", "vanilla")
     if config.get("markov_rank", 0) and head_type != "vanilla":
         raise ValueError(f"markov_head_type {head_type!r} is not supported; use 'vanilla'")
-    return dict(
-        model_type=config["model_type"],
-        vocab_size=config["vocab_size"],
-        hidden_size=config["hidden_size"],
-        block_size=config["block_size"],
-        mask_token_id=config["mask_token_id"],
-        target_layer_ids=tuple(config["target_layer_ids"]),
+    fields = {key: config[key] for key in ("model_type", *required)}
+    fields["target_layer_ids"] = tuple(fields["target_layer_ids"])
+    return fields | dict(
         num_target_layers=config.get("num_target_layers", 0),
         markov_rank=config.get("markov_rank", 0),
         confidence_head=config.get("enable_confidence_head", False),
@@ -47,12 +43,13 @@ def dspark_fields(config: dict) -> dict:
     )
 
 
-class DraftArch(NamedTuple):
+@dataclass(frozen=True, kw_only=True)
+class DraftArch:
     """How to build and run one draft backbone.
 
     spec_from_config(config) -> spec        a hashable ``DSparkFields`` subclass
     checkpoint_shapes(spec) -> {key: shape} every tensor of a checkpoint, by its own key
-    key_map(key) -> tree key                 dotted path in the parameter tree
+    key_map(key) -> tree key                 dotted path in the parameter tree (default: the key)
                                              (heads always land at ``markov_head``,
                                              ``confidence_head``, ``embed_tokens``, ``lm_head``)
     init_context(spec, batch, capacity)      empty context state
@@ -69,8 +66,8 @@ class DraftArch(NamedTuple):
 
     spec_from_config: Callable
     checkpoint_shapes: Callable
-    key_map: Callable
     init_context: Callable
     extend_context: Callable
     block_forward: Callable
+    key_map: Callable = lambda key: key
     prepare_params: Callable | None = None

@@ -1,6 +1,6 @@
 """The DeepSeek-V4 DSpark draft: the ``mtp.{i}`` stages of a V4-DSpark checkpoint.
 
-Each stage is a V4 block (``targets/deepseek_v4.py``: hyper-connections,
+Each stage is a V4 block (``layers/deepseek_v4.py``: hyper-connections,
 low-rank-query attention over one shared K=V latent with a sink, a mixture of
 experts). The target's taps, ``main_norm(main_proj(taps))``, become each
 stage's context latents (its own ``wkv``/``kv_norm``, rotated at their
@@ -41,17 +41,7 @@ import mlx.core as mx
 
 from .. import mhc, ops
 from ..cache import block_mask, positions_from, write_rows
-from ..targets.deepseek_v4 import (
-    BlockSpec,
-    attend,
-    block,
-    block_spec,
-    embedded_streams,
-    latents,
-    model_args,
-    queries,
-    rope_inv_freq,
-)
+from ..layers import deepseek_v4 as family
 from .base import DraftArch, DSparkFields, dspark_fields
 from .heads import DRAFT_VOCAB_KEY, head_shapes
 
@@ -67,7 +57,7 @@ EXPERT_PROJECTIONS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 @dataclass(frozen=True)
 class DeepseekV4DraftSpec(DSparkFields):
     num_stages: int
-    block: BlockSpec
+    block: family.BlockSpec
     window: int
     q_lora_rank: int
     o_lora_rank: int
@@ -80,7 +70,7 @@ def spec_from_config(config: dict) -> DeepseekV4DraftSpec:
     missing = [key for key in DSPARK_KEYS if key not in config]
     if missing:
         raise ValueError(f"deepseek_v4 config lacks {missing}: not a DSpark checkpoint")
-    args = model_args(config)
+    args = family.model_args(config)
     renamed = {new: config[old] for old, new in DSPARK_KEYS.items()}
     fields = dspark_fields({**config, **renamed, "num_target_layers": args["num_hidden_layers"]})
     # V4 always carries the bias-free confidence head over [x ; Markov embedding].
@@ -88,7 +78,7 @@ def spec_from_config(config: dict) -> DeepseekV4DraftSpec:
     return DeepseekV4DraftSpec(
         **fields,
         num_stages=args["num_nextn_predict_layers"],
-        block=block_spec(args),
+        block=family.block_spec(args),
         window=args["sliding_window"],
         q_lora_rank=args["q_lora_rank"],
         o_lora_rank=args["o_lora_rank"],
@@ -197,20 +187,20 @@ def extend_context(spec: DeepseekV4DraftSpec, params: dict, state: list, feature
     first = params["stages"][0]
     context = ops.rms_norm(ops.linear(first["main_proj"], features), first["main_norm"]["weight"], spec.block.eps)
     positions = positions_from(start, features.shape[1])
-    inv_freq = rope_inv_freq(spec.block)
+    inv_freq = family.rope_inv_freq(spec.block)
     return [
-        write_rows(buffer, latents(spec.block, stage["attn"], context, positions, inv_freq), start)
+        write_rows(buffer, family.latents(spec.block, stage["attn"], context, positions, inv_freq), start)
         for stage, buffer in zip(params["stages"], state)
     ]
 
 
-def context_attention(geometry: BlockSpec, attn: dict, context, mask, positions, inv_freq):
+def context_attention(geometry: family.BlockSpec, attn: dict, context, mask, positions, inv_freq):
     """A stage's attention: block queries over its context latents and, bidirectionally, the block's own."""
 
     def attention(x):
-        keys = mx.concatenate([context, latents(geometry, attn, x, positions, inv_freq)], axis=2)
-        q = queries(geometry, attn, x, positions, inv_freq)
-        return attend(geometry, attn, q, keys, mask, positions, inv_freq), None
+        keys = mx.concatenate([context, family.latents(geometry, attn, x, positions, inv_freq)], axis=2)
+        q = family.queries(geometry, attn, x, positions, inv_freq)
+        return family.attend(geometry, attn, q, keys, mask, positions, inv_freq), None
 
     return attention
 
@@ -219,18 +209,18 @@ def block_forward(spec: DeepseekV4DraftSpec, params: dict, state: list, length, 
     width = block_ids.shape[1]
     geometry, capacity = spec.block, state[0].shape[2]
     positions = positions_from(length, width)
-    inv_freq = rope_inv_freq(geometry)
+    inv_freq = family.rope_inv_freq(geometry)
     mask = block_mask(length, capacity, width, spec.window)
-    streams = embedded_streams(geometry, params["embed_tokens"], block_ids)
+    streams = family.embedded_streams(geometry, params["embed_tokens"], block_ids)
     for stage, context in zip(params["stages"], state):
         attention = context_attention(geometry, stage["attn"], context, mask, positions, inv_freq)
-        streams, _ = block(geometry, stage, streams, attention)
+        streams, _ = family.block(geometry, stage, streams, attention)
     last = params["stages"][-1]
     head_hidden = mhc.head(last["hc_head"], streams, geometry.hyper)
     hidden = ops.rms_norm(head_hidden, last["norm"]["weight"], geometry.eps)
     return ops.linear(params["lm_head"], hidden), head_hidden
 
 
-ARCH = DraftArch(
-    spec_from_config, checkpoint_shapes, key_map, init_context, extend_context, block_forward, prepare_params
-)
+ARCH = DraftArch(spec_from_config=spec_from_config, checkpoint_shapes=checkpoint_shapes, init_context=init_context,
+                 extend_context=extend_context, block_forward=block_forward, key_map=key_map,
+                 prepare_params=prepare_params)

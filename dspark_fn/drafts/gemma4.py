@@ -14,16 +14,7 @@ import mlx.core as mx
 
 from .. import ops
 from ..cache import block_mask, kv_buffers, positions_from, write_rows
-from ..targets.gemma4 import (
-    ATTENTION_SCALE,
-    AttentionGeometry,
-    attention_geometry,
-    finish_layer,
-    keys_values,
-    queries,
-    reject_unsupported,
-    scaled_embedding,
-)
+from ..layers import gemma4 as family
 from .base import DraftArch, DSparkFields, dspark_fields
 from .heads import decoder_layer_shapes, frame_shapes, head_shapes
 
@@ -32,7 +23,7 @@ from .heads import decoder_layer_shapes, frame_shapes, head_shapes
 class Gemma4DraftSpec(DSparkFields):
     num_layers: int
     num_heads: int
-    attention: AttentionGeometry
+    attention: family.AttentionGeometry
     intermediate_size: int
     eps: float
     activation: str
@@ -40,14 +31,14 @@ class Gemma4DraftSpec(DSparkFields):
 
 
 def spec_from_config(config: dict) -> Gemma4DraftSpec:
-    reject_unsupported(config, "draft", per_layer_inputs=False)
+    family.reject_unsupported(config, "draft", per_layer_inputs=False)
     # Draft layers all use the target's full-attention parameters; the
     # top-level rope keys some draft configs carry are not read.
     return Gemma4DraftSpec(
         **dspark_fields(config),
         num_layers=config["num_hidden_layers"],
         num_heads=config["num_attention_heads"],
-        attention=attention_geometry(config, "full_attention"),
+        attention=family.attention_geometry(config, "full_attention"),
         intermediate_size=config["intermediate_size"],
         eps=config.get("rms_norm_eps", 1e-6),
         activation=config.get("hidden_activation", "gelu_pytorch_tanh"),
@@ -72,10 +63,6 @@ def checkpoint_shapes(spec: Gemma4DraftSpec) -> dict:
     return shapes | head_shapes(spec)
 
 
-def key_map(key: str) -> str:
-    return key
-
-
 def init_context(spec: Gemma4DraftSpec, batch: int, capacity: int) -> list:
     geometry = spec.attention
     return [
@@ -89,7 +76,7 @@ def extend_context(spec: Gemma4DraftSpec, params: dict, state: list, features, s
     positions = positions_from(start, features.shape[1])
     new_state = []
     for layer, (keys, values) in zip(params["layers"], state):
-        k, v = keys_values(spec.attention, layer["self_attn"], context, positions, spec.eps)
+        k, v = family.keys_values(spec.attention, layer["self_attn"], context, positions, spec.eps)
         new_state.append((write_rows(keys, k, start), write_rows(values, v, start)))
     return new_state
 
@@ -99,18 +86,19 @@ def block_forward(spec: Gemma4DraftSpec, params: dict, state: list, length, bloc
     capacity = state[0][0].shape[2]
     positions = positions_from(length, width)
     mask = block_mask(length, capacity, width)
-    h = scaled_embedding(params["embed_tokens"], block_ids, spec.hidden_size)
+    h = family.scaled_embedding(params["embed_tokens"], block_ids, spec.hidden_size)
     for layer, (keys, values) in zip(params["layers"], state):
         attn = layer["self_attn"]
         x = ops.rms_norm(h, layer["input_layernorm"]["weight"], spec.eps)
-        q = queries(spec.attention, attn, x, spec.num_heads, positions, spec.eps)
-        block_keys, block_values = keys_values(spec.attention, attn, x, positions, spec.eps)
+        q = family.queries(spec.attention, attn, x, spec.num_heads, positions, spec.eps)
+        block_keys, block_values = family.keys_values(spec.attention, attn, x, positions, spec.eps)
         all_keys = mx.concatenate([keys, block_keys], axis=2)
         all_values = mx.concatenate([values, block_values], axis=2)
-        attended = ops.attention(q, all_keys, all_values, mask, ATTENTION_SCALE)
-        h = finish_layer(layer, h, attended, spec.eps, spec.activation)
+        attended = ops.attention(q, all_keys, all_values, mask, family.ATTENTION_SCALE)
+        h = family.finish_layer(layer, h, attended, spec.eps, spec.activation)
     hidden = ops.rms_norm(h, params["norm"]["weight"], spec.eps)
     return ops.softcap(ops.linear(params["lm_head"], hidden), spec.softcap), hidden
 
 
-ARCH = DraftArch(spec_from_config, checkpoint_shapes, key_map, init_context, extend_context, block_forward)
+ARCH = DraftArch(spec_from_config=spec_from_config, checkpoint_shapes=checkpoint_shapes, init_context=init_context,
+                 extend_context=extend_context, block_forward=block_forward)

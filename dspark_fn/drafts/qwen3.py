@@ -12,34 +12,19 @@ import mlx.core as mx
 
 from .. import ops
 from ..cache import block_mask, kv_buffers, positions_from, write_rows
-from ..targets.llama import rope_parameters
+from ..layers.llama import AttentionFields, attention_fields
 from .base import DraftArch, DSparkFields, dspark_fields
 from .heads import decoder_layer_shapes, frame_shapes, head_shapes
 
 
 @dataclass(frozen=True)
-class Qwen3DraftSpec(DSparkFields):
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
+class Qwen3DraftSpec(DSparkFields, AttentionFields):
     intermediate_size: int
-    eps: float
-    rope: tuple
 
 
 def spec_from_config(config: dict) -> Qwen3DraftSpec:
-    heads = config["num_attention_heads"]
-    return Qwen3DraftSpec(
-        **dspark_fields(config),
-        num_layers=config["num_hidden_layers"],
-        num_heads=heads,
-        num_kv_heads=config.get("num_key_value_heads", heads),
-        head_dim=config.get("head_dim") or config["hidden_size"] // heads,
-        intermediate_size=config["intermediate_size"],
-        eps=config.get("rms_norm_eps", 1e-6),
-        rope=tuple(sorted(rope_parameters(config).items())),
-    )
+    fields = dspark_fields(config) | attention_fields(config)
+    return Qwen3DraftSpec(**fields, intermediate_size=config["intermediate_size"])
 
 
 def checkpoint_shapes(spec: Qwen3DraftSpec) -> dict:
@@ -49,10 +34,6 @@ def checkpoint_shapes(spec: Qwen3DraftSpec) -> dict:
             f"layers.{i}.", spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.intermediate_size
         )
     return shapes | head_shapes(spec)
-
-
-def key_map(key: str) -> str:
-    return key
 
 
 def init_context(spec: Qwen3DraftSpec, batch: int, capacity: int) -> list:
@@ -107,4 +88,5 @@ def block_forward(spec: Qwen3DraftSpec, params: dict, state: list, length, block
     return ops.linear(params["lm_head"], hidden), hidden
 
 
-ARCH = DraftArch(spec_from_config, checkpoint_shapes, key_map, init_context, extend_context, block_forward)
+ARCH = DraftArch(spec_from_config=spec_from_config, checkpoint_shapes=checkpoint_shapes, init_context=init_context,
+                 extend_context=extend_context, block_forward=block_forward)

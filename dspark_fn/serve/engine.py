@@ -18,7 +18,9 @@ from mlx.utils import tree_flatten, tree_map
 
 from ..cache import Cache
 from ..sampling import GREEDY, Sampling
-from ..speculate import Decoder, Params, capacity_for
+from ..driver import Decoder
+from ..rounds import capacity_for
+from ..types import Params
 from ..stats import Acceptance
 
 

@@ -4,25 +4,21 @@ An adapter is one module exposing ``ADAPTER``; registering a family is one
 line in the registry below. The round kernel only ever calls the adapter.
 """
 
+from ..registry import TEXT_FAMILY, Registry, family_of
 from . import deepseek_v4, gemma4, llama
 from .base import TargetAdapter
 
-TARGET_REGISTRY: dict[str, TargetAdapter] = {
-    "deepseek_v4": deepseek_v4.ADAPTER,
-    "gemma4_text": gemma4.ADAPTER,
-    "llama": llama.ADAPTER,
-    "mistral": llama.ADAPTER,
-    "qwen2": llama.ADAPTER,
-    "qwen3": llama.ADAPTER,
-}
-
-
-# Multimodal releases (and the text configs inside them) by the text family they run.
-TEXT_FAMILY = {"gemma4": "gemma4_text", "gemma4_unified": "gemma4_text", "gemma4_unified_text": "gemma4_text"}
-
-
-def family_of(model_type: str | None) -> str | None:
-    return TEXT_FAMILY.get(model_type, model_type)
+TARGET_REGISTRY = Registry(
+    "target",
+    {
+        "deepseek_v4": deepseek_v4.ADAPTER,
+        "gemma4_text": gemma4.ADAPTER,
+        "llama": llama.ADAPTER,
+        "mistral": llama.ADAPTER,
+        "qwen2": llama.ADAPTER,
+        "qwen3": llama.ADAPTER,
+    },
+)
 
 
 def text_model_config(config: dict) -> dict:
@@ -55,14 +51,8 @@ def activation_dtype(target_params: dict):
 
 
 def register_target(model_type: str, adapter: TargetAdapter) -> None:
-    TARGET_REGISTRY[model_type] = adapter
+    TARGET_REGISTRY.register(model_type, adapter)
 
 
 def resolve_target(config: dict) -> TargetAdapter:
-    model_type = family_of(config.get("model_type"))
-    if model_type not in TARGET_REGISTRY:
-        raise ValueError(
-            f"unknown target model_type {config.get('model_type')!r}; supported target families: "
-            f"{', '.join(sorted(TARGET_REGISTRY))} (and the multimodal releases {', '.join(sorted(TEXT_FAMILY))})"
-        )
-    return TARGET_REGISTRY[model_type]
+    return TARGET_REGISTRY.resolve(config)

@@ -1,9 +1,13 @@
-"""The interface every target family implements."""
+"""The interface every target family implements, and the pieces every family forward ends with."""
 
-from typing import Callable, NamedTuple
+from dataclasses import dataclass
+from typing import Callable
+
+import mlx.core as mx
 
 
-class TargetAdapter(NamedTuple):
+@dataclass(frozen=True, kw_only=True)
+class TargetAdapter:
     """How to run one target family.
 
     spec_from_config(config) -> spec   hashable static description with at least
@@ -23,3 +27,13 @@ class TargetAdapter(NamedTuple):
     forward: Callable
     logits: Callable
     load_params: Callable | None = None
+
+
+def concat_taps(tapped: dict, taps: tuple):
+    """``[B, L, F]``: the tapped layers' outputs in ``taps`` order (None without taps)."""
+    return mx.concatenate([tapped[i] for i in taps], axis=-1) if taps else None
+
+
+def output_head(params: dict, tied: bool) -> dict:
+    """The module the target's logits come from: its embedding when tied."""
+    return params["model"]["embed_tokens"] if tied else params["lm_head"]

@@ -9,7 +9,7 @@ a learned ``layer_scalar``; embeddings are scaled by sqrt(d) and logits are
 softcapped. The small models' per-layer token inputs and their KV sharing
 between late layers are supported; MoE blocks are not.
 
-The layer pieces here are shared with the gemma4 DSpark draft.
+Its layer math lives in ``layers/gemma4.py``, shared with the gemma4 DSpark draft.
 """
 
 from dataclasses import dataclass
@@ -18,19 +18,16 @@ import mlx.core as mx
 
 from .. import ops
 from ..cache import causal_mask, kv_buffers, positions_from, write_rows
-from .base import TargetAdapter
-
-ATTENTION_SCALE = 1.0  # q and k are RMS-normalised per head instead of scaled
-
-
-@dataclass(frozen=True)
-class AttentionGeometry:
-    head_dim: int
-    num_kv_heads: int
-    k_eq_v: bool  # V is the raw k_proj output (no v_proj)
-    rope: tuple  # sorted items of the layer type's rope parameters
-    window: int | None  # sliding window; None for full attention
-
+from ..layers.gemma4 import (
+    ATTENTION_SCALE,
+    attention_geometry,
+    finish_layer,
+    keys_values,
+    queries,
+    reject_unsupported,
+    scaled_embedding,
+)
+from .base import TargetAdapter, concat_taps, output_head
 
 @dataclass(frozen=True)
 class Gemma4Spec:
@@ -47,40 +44,6 @@ class Gemma4Spec:
     geometry: tuple  # AttentionGeometry of each layer
     num_kv_layers: int  # layers 0..num_kv_layers-1 own K/V buffers
     kv_source: tuple  # per layer: the buffers its attention reads
-
-
-def attention_geometry(config: dict, layer_type: str) -> AttentionGeometry:
-    """Head geometry and RoPE of a ``sliding_attention`` or ``full_attention`` layer."""
-    full = layer_type == "full_attention"
-    k_eq_v = full and bool(config.get("attention_k_eq_v"))
-    kv_heads = config["num_key_value_heads"]
-    if k_eq_v and config.get("num_global_key_value_heads") is not None:
-        kv_heads = config["num_global_key_value_heads"]
-    head_dim = (config.get("global_head_dim") or config["head_dim"]) if full else config["head_dim"]
-    rope = (config.get("rope_parameters") or {}).get(layer_type)
-    if not isinstance(rope, dict):
-        raise ValueError(f"gemma4 config lacks rope_parameters[{layer_type!r}]")
-    return AttentionGeometry(
-        head_dim=head_dim,
-        num_kv_heads=kv_heads,
-        k_eq_v=k_eq_v,
-        rope=tuple(sorted(rope.items())),
-        window=None if full else config["sliding_window"],
-    )
-
-
-def reject_unsupported(config: dict, what: str, per_layer_inputs: bool) -> None:
-    """Raise for the gemma4 variants this code does not run, saying which."""
-    problems = []
-    if config.get("enable_moe_block"):
-        problems.append("MoE blocks (enable_moe_block)")
-    if config.get("use_bidirectional_attention") == "all":
-        problems.append("bidirectional attention (an embedding model)")
-    per_layer_size = config.get("hidden_size_per_layer_input")
-    if per_layer_size and not per_layer_inputs:
-        problems.append(f"per-layer inputs (hidden_size_per_layer_input={per_layer_size}, must be 0)")
-    if problems:
-        raise ValueError(f"gemma4 {what} uses unsupported features: " + "; ".join(problems))
 
 
 def kv_sources(layer_types: list, num_kv_layers: int) -> tuple:
@@ -125,43 +88,6 @@ def init_kv(spec: Gemma4Spec, batch: int, capacity: int, dtype=mx.float32) -> li
     ]
 
 
-def scaled_embedding(p: dict, ids: mx.array, hidden_size: int) -> mx.array:
-    return ops.embed(p, ids, hidden_size) * hidden_size**0.5
-
-
-def queries(geometry: AttentionGeometry, attn: dict, x, num_heads: int, positions, eps: float):
-    q = ops.split_heads(ops.linear(attn["q_proj"], x), num_heads)
-    q = ops.rms_norm(q, attn["q_norm"]["weight"], eps)
-    return ops.apply_rope(q, positions, ops.rope_inv_freq(geometry.head_dim, dict(geometry.rope)))
-
-
-def keys_values(geometry: AttentionGeometry, attn: dict, x, positions, eps: float):
-    """Normed, rotated keys and weightless-normed values ``[B, H_kv, L, D]``."""
-    raw_keys = ops.split_heads(ops.linear(attn["k_proj"], x), geometry.num_kv_heads)
-    if geometry.k_eq_v:
-        raw_values = raw_keys
-    else:
-        raw_values = ops.split_heads(ops.linear(attn["v_proj"], x), geometry.num_kv_heads)
-    keys = ops.rms_norm(raw_keys, attn["k_norm"]["weight"], eps)
-    keys = ops.apply_rope(keys, positions, ops.rope_inv_freq(geometry.head_dim, dict(geometry.rope)))
-    return keys, ops.rms_norm(raw_values, None, eps)
-
-
-def finish_layer(layer: dict, h, attended, eps: float, activation: str, per_layer_input=None):
-    """Everything after attention: sandwich-normed residuals, the optional
-    per-layer input gate, then ``layer_scalar``. ``attended`` is ``[B, H, L, D]``."""
-    out = ops.linear(layer["self_attn"]["o_proj"], ops.merge_heads(attended))
-    h = h + ops.rms_norm(out, layer["post_attention_layernorm"]["weight"], eps)
-    x = ops.rms_norm(h, layer["pre_feedforward_layernorm"]["weight"], eps)
-    mlp = ops.glu_mlp(layer["mlp"], x, activation)
-    h = h + ops.rms_norm(mlp, layer["post_feedforward_layernorm"]["weight"], eps)
-    if per_layer_input is not None:
-        gate = ops.gelu_tanh_glu(ops.linear(layer["per_layer_input_gate"], h), per_layer_input)
-        gate = ops.linear(layer["per_layer_projection"], gate)
-        h = h + ops.rms_norm(gate, layer["post_per_layer_input_norm"]["weight"], eps)
-    return h * layer["layer_scalar"]
-
-
 def per_layer_inputs(spec: Gemma4Spec, model: dict, tokens, embedded) -> list:
     """The small models' extra input of every layer: a per-layer token
     embedding mixed with a projection of the (scaled) input embedding."""
@@ -200,13 +126,12 @@ def forward(spec: Gemma4Spec, params: dict, kv: list, tokens, start, taps: tuple
         h = finish_layer(layer, h, attended, spec.eps, spec.activation, extra[index])
         if index in taps:
             tapped[index] = h
-    features = mx.concatenate([tapped[i] for i in taps], axis=-1) if taps else None
+    features = concat_taps(tapped, taps)
     return ops.rms_norm(h, model["norm"]["weight"], spec.eps), features, kv
 
 
 def logits(spec: Gemma4Spec, params: dict, hidden: mx.array) -> mx.array:
-    head = params["model"]["embed_tokens"] if spec.tied else params["lm_head"]
-    return ops.softcap(ops.linear(head, hidden), spec.softcap)
+    return ops.softcap(ops.linear(output_head(params, spec.tied), hidden), spec.softcap)
 
 
-ADAPTER = TargetAdapter(spec_from_config, init_kv, forward, logits)
+ADAPTER = TargetAdapter(spec_from_config=spec_from_config, init_kv=init_kv, forward=forward, logits=logits)

@@ -10,45 +10,27 @@ import mlx.core as mx
 
 from .. import ops
 from ..cache import causal_mask, kv_buffers, positions_from, write_rows
-from .base import TargetAdapter
+from ..layers.llama import AttentionFields, attention_fields
+from .base import TargetAdapter, concat_taps, output_head
 
 
 @dataclass(frozen=True)
-class LlamaSpec:
+class LlamaSpec(AttentionFields):
     model_type: str
     vocab_size: int
     hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    eps: float
-    rope: tuple
     tied: bool
     activation: str
 
 
-def rope_parameters(config: dict) -> dict:
-    """HF ``rope_parameters`` (transformers 5) or the older flat keys, as one dict."""
-    rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
-    rope.setdefault("rope_theta", config.get("rope_theta", 10000.0))
-    return rope
-
-
 def spec_from_config(config: dict) -> LlamaSpec:
-    heads = config["num_attention_heads"]
     return LlamaSpec(
         model_type=config["model_type"],
         vocab_size=config["vocab_size"],
         hidden_size=config["hidden_size"],
-        num_layers=config["num_hidden_layers"],
-        num_heads=heads,
-        num_kv_heads=config.get("num_key_value_heads", heads),
-        head_dim=config.get("head_dim") or config["hidden_size"] // heads,
-        eps=config.get("rms_norm_eps", 1e-6),
-        rope=tuple(sorted(rope_parameters(config).items())),
         tied=config.get("tie_word_embeddings", False),
         activation=config.get("hidden_act", "silu"),
+        **attention_fields(config),
     )
 
 
@@ -93,13 +75,12 @@ def forward(spec: LlamaSpec, params: dict, kv: list, tokens, start, taps: tuple)
         new_kv.append((keys, values))
         if index in taps:
             tapped[index] = h
-    features = mx.concatenate([tapped[i] for i in taps], axis=-1) if taps else None
+    features = concat_taps(tapped, taps)
     return ops.rms_norm(h, model["norm"]["weight"], spec.eps), features, new_kv
 
 
 def logits(spec: LlamaSpec, params: dict, hidden: mx.array) -> mx.array:
-    head = params["model"]["embed_tokens"] if spec.tied else params["lm_head"]
-    return ops.linear(head, hidden)
+    return ops.linear(output_head(params, spec.tied), hidden)
 
 
-ADAPTER = TargetAdapter(spec_from_config, init_kv, forward, logits)
+ADAPTER = TargetAdapter(spec_from_config=spec_from_config, init_kv=init_kv, forward=forward, logits=logits)

@@ -1,83 +1,37 @@
-"""Prefill, one speculative round, and the generation loop.
+"""One speculative round as pure functions over fixed shapes: prefill, insert,
+draft, verify, accept and commit.
 
-A round is ``draft_block -> verify -> accept -> commit`` over fixed shapes.
-It runs as two compiled kernels: the draft (one per model pair and sampling
-settings) and the verify (one per pair, width and sampling settings). The
-verify width is static, acceptance only changes array values (the new
-``length``), and each row's proposal length is data (``limit``), so every
-kernel compiles once and switching among widths never retraces.
+A round is ``draft_block -> verify -> accept -> commit``. It runs as two
+compiled kernels: the draft (one per model pair and sampling mode) and the
+verify (one per pair, width and sampling mode). The verify width is static,
+acceptance only changes array values (the new ``length``), and each row's
+proposal length is data (``limit``), so every kernel compiles once per
+capacity bucket and switching among widths never retraces.
 """
 
 import math
 from collections import Counter
-from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Iterator, NamedTuple, Sequence
+from typing import Sequence
 
 import mlx.core as mx
 import numpy as np
-from mlx.utils import tree_flatten, tree_map
+from mlx.utils import tree_map
 
-from .cache import Cache
-from .drafts.base import DraftArch
-from .drafts.heads import DRAFT_VOCAB_KEY, draft_chain
 from . import noise
+from .accept import Accepted, accept
+from .cache import Cache
+from .drafts.heads import DRAFT_VOCAB_KEY, draft_chain
 from .noise import row_seeds, uniforms
-from .sampling import GREEDY, Mode, RowSampling, Sampling, batch_sampling, choose, log_probs
-from .schedule import CostCurve, VerifyPolicy, cached_costs, cost_key, fastest_seconds, monotone, width_buckets
+from .sampling import GREEDY, Mode, RowSampling, batch_sampling, choose, log_probs
 from .targets import activation_dtype
-from .targets.base import TargetAdapter
-from .verify import Accepted, accept
+from .types import PairSpec, Params, Proposal, Round
 
 PREFILL_CHUNK = 64
 CAPACITY_BUCKET = 256
 
 # Incremented in the Python body of each compiled kernel, i.e. once per trace.
 TRACE_COUNTS: Counter = Counter()
-
-
-@dataclass(frozen=True)
-class PairSpec:
-    """Static description of a target/draft pair: everything that is not an array."""
-
-    target_adapter: TargetAdapter
-    target: Any
-    draft_arch: DraftArch
-    draft: Any
-
-    @property
-    def block_size(self) -> int:
-        return self.draft.block_size
-
-    @property
-    def taps(self) -> tuple:
-        return self.draft.target_layer_ids
-
-
-class Params(NamedTuple):
-    """Parameter pytrees of the pair plus their static spec."""
-
-    spec: PairSpec
-    target: dict
-    draft: dict
-
-
-class Proposal(NamedTuple):
-    tokens: mx.array  # [B, G] drafted tokens
-    logits: mx.array  # [B, G, V'] Markov-corrected logits over the draft vocabulary (V' = V when full)
-    confidence_logits: mx.array  # [B, G]
-    base_logits: mx.array  # [B, G, V']
-    hidden: mx.array  # [B, G, d] input of the confidence head
-    log_probs: mx.array  # [B, G, V] distribution each draft was drawn from (= logits when greedy)
-
-
-class Round(NamedTuple):
-    emitted: mx.array  # [B, W] accepted drafts then the target's token, -1 padded
-    count: mx.array  # [B] number of emitted tokens (accepted + 1; 0 for an idle row)
-    next_tokens: mx.array  # [B] the next anchor
-    accepted: mx.array  # [B]
-    drafted: mx.array  # [B, W - 1] the drafts that were verified
-    confidences: mx.array  # [B, W - 1]
 
 
 def init_cache(params: Params, batch_size: int, capacity: int, seed: int = 0) -> Cache:
@@ -228,7 +182,7 @@ def _verify_kernel(spec: PairSpec, width: int, mode: Mode):
     return mx.compile(verify_)
 
 
-def _check_width(spec: PairSpec, width: int) -> None:
+def check_width(spec: PairSpec, width: int) -> None:
     if not 1 <= width <= spec.block_size + 1:
         raise ValueError(f"verify width {width} must be in 1..{spec.block_size + 1}")
 
@@ -264,9 +218,9 @@ def verify(
     keep their state. Every row needs ``width`` free slots; a cache without
     them raises ``ValueError`` before anything runs (``grow_cache`` makes room).
     """
-    _check_width(params.spec, width)
+    check_width(params.spec, width)
     check_free_slots(cache, width)
-    return _verify(params, cache, tokens, proposal, width, *batch_sampling(sampling, tokens.shape[0]), limit, active)
+    return verify_unchecked(params, cache, tokens, proposal, width, *batch_sampling(sampling, tokens.shape[0]), limit, active)
 
 
 def check_free_slots(cache: Cache, width: int) -> None:
@@ -282,7 +236,7 @@ def check_free_slots(cache: Cache, width: int) -> None:
         )
 
 
-def _verify(params, cache, tokens, proposal, width, rows: RowSampling, mode: Mode, limit=None, active=None):
+def verify_unchecked(params, cache, tokens, proposal, width, rows: RowSampling, mode: Mode, limit=None, active=None):
     """``verify`` without the checks, for the driver (which sizes its cache itself)."""
     batch = tokens.shape[0]
     limit = mx.full((batch,), width - 1, mx.int32) if limit is None else limit
@@ -313,7 +267,7 @@ def speculate(
     Only the room check reads from the device.
     """
     width = params.spec.block_size + 1 if width is None else width
-    _check_width(params.spec, width)
+    check_width(params.spec, width)
     proposal = propose(params, cache, tokens, sampling) if width > 1 else no_proposal(tokens.shape[0])
     return verify(params, cache, tokens, proposal, width, sampling=sampling, limit=limit, active=active)
 
@@ -363,7 +317,7 @@ def _prefill_kernel(spec: PairSpec):
     return mx.compile(chunk)
 
 
-def _as_rows(prompt) -> list[list[int]]:
+def as_rows(prompt) -> list[list[int]]:
     if isinstance(prompt, mx.array):
         prompt = prompt.tolist()
     rows = [list(prompt)] if prompt and isinstance(prompt[0], int) else [list(r) for r in prompt]
@@ -394,7 +348,7 @@ def prefill(params: Params, cache: Cache, prompt, *, sampling=GREEDY, chunk_size
     their cache rows copied. Chunks hold ``PREFILL_CHUNK`` tokens, or the
     capacity when that is smaller.
     """
-    rows = _as_rows(prompt)
+    rows = as_rows(prompt)
     if len(rows) != cache.batch_size:
         raise ValueError(f"{len(rows)} prompts for a cache of batch size {cache.batch_size}")
     vocab = params.spec.target.vocab_size
@@ -459,18 +413,6 @@ def insert(params: Params, cache: Cache, rows: Sequence[int], prompts, *, sampli
     return place_rows(cache, rows, part), tokens
 
 
-class Event(NamedTuple):
-    """What one step of ``generate`` produced for one row (``kind`` is "prefill" or "round")."""
-
-    kind: str
-    emitted: list
-    accepted: int
-    drafted: list  # the proposal this row verified (its first ``limit`` drafts)
-    confidences: list
-    row: int = 0
-    width: int = 0  # verify width of the round (shared by the batch)
-
-
 def capacity_for(slots: int) -> int:
     """The capacity bucket holding ``slots`` positions: a multiple of a quarter
     of the power of two below it (and of ``CAPACITY_BUCKET``), so buckets waste
@@ -484,268 +426,3 @@ def prefill_slots(prompt_length: int) -> int:
     return math.ceil(prompt_length / PREFILL_CHUNK) * PREFILL_CHUNK
 
 
-def _truncate(tokens: list, stop_tokens, budget: int) -> tuple[list, bool]:
-    """Cut at the first stop token (kept) and at the token budget."""
-    for i, token in enumerate(tokens[:budget]):
-        if token in stop_tokens:
-            return tokens[: i + 1], True
-    return tokens[:budget], len(tokens) >= budget
-
-
-COST_CAPACITY = 512  # cost curves are measured at this context (a typical chat turn)
-
-
-def measure_costs(params: Params, batch_size: int, widths, sampling=GREEDY) -> CostCurve:
-    """Time the draft kernel and the verify kernel of each width on this machine."""
-    cache = init_cache(params, batch_size, COST_CAPACITY)
-    cache = cache._replace(length=mx.full((batch_size,), COST_CAPACITY // 2, mx.int32))
-    tokens = mx.zeros((batch_size,), mx.int32)
-    proposal = propose(params, cache, tokens, sampling)
-
-    def verify_round(width):
-        source = proposal if width > 1 else no_proposal(batch_size)
-        return verify(params, cache, tokens, source, width, sampling=sampling)
-
-    runs = {width: lambda width=width: verify_round(width) for width in widths}
-    seconds = fastest_seconds(runs | {"draft": lambda: propose(params, cache, tokens, sampling)})
-    return CostCurve(seconds.pop("draft"), monotone(seconds))
-
-
-def model_signature(params: Params) -> str:
-    """What a verify costs depends on: both specs and every tensor's shape and
-    dtype (so a quantized draft is timed apart from its float original)."""
-    tensors = tree_flatten((params.target, params.draft))
-    return repr((params.spec.target, params.spec.draft, [(k, v.shape, v.dtype) for k, v in tensors]))
-
-
-def verify_policy(
-    params: Params,
-    width,
-    batch_size: int,
-    *,
-    sampling=GREEDY,
-    confidence_threshold: float = 0.0,
-    costs: CostCurve | None = None,
-) -> VerifyPolicy:
-    """The policy for ``width`` = an int (fixed), None (the whole block) or
-    "auto" (draft only when it pays, then Algorithm 1 over a cost curve:
-    ``costs``, else measured on first use and cached per model, device,
-    batch size and sampling settings)."""
-    spec = params.spec
-    if not (width is None or width == "auto" or isinstance(width, int)):
-        raise ValueError(f"verify width must be an integer, None or 'auto', got {width!r}")
-    auto = width == "auto"
-    widest = spec.block_size + 1 if width is None or auto else width
-    _check_width(spec, widest)
-    buckets = width_buckets(spec.block_size, widest)
-    if auto and costs is None:
-        key = cost_key(model_signature(params), batch_size, COST_CAPACITY, batch_sampling(sampling, batch_size)[1])
-        costs = cached_costs(key, lambda: measure_costs(params, batch_size, buckets, sampling))
-    return VerifyPolicy(widest, buckets, confidence_threshold, costs if auto else None)
-
-
-def _initial_capacity(rows: list, max_new_tokens: int, widest: int, capacity: int) -> None:
-    """A fixed ``capacity`` must hold the whole generation."""
-    longest = max(len(r) for r in rows)
-    if longest + max_new_tokens + widest > capacity:
-        raise ValueError(
-            f"prompt of {longest} tokens + {max_new_tokens} new tokens + verify width "
-            f"{widest} exceeds the cache capacity {capacity}"
-        )
-
-
-def _round_plan(policy: VerifyPolicy, proposal: Proposal | None, active: np.ndarray, fresh: np.ndarray):
-    """Verify width, per-row proposal lengths and the draft confidences
-    ``[B, G]`` (None without a draft: the round is a plain target step).
-    ``fresh`` rows joined after the proposal was drafted: they verify none of it."""
-    if proposal is None:
-        return 1, np.zeros(len(active), np.int32), None
-    confidences = 1 / (1 + np.exp(-np.array(proposal.confidence_logits)))
-    confidences[fresh] = 0.0
-    width, limits = policy.plan(confidences, active)
-    limits[fresh] = 0
-    return width, limits, confidences
-
-
-class Step(NamedTuple):
-    """What one round of a ``Decoder`` produced, host-side, for its active rows."""
-
-    rows: list  # the rows that took part
-    emitted: list  # per row: accepted drafts then the target's token
-    accepted: list
-    drafted: list  # per row: the drafts it verified
-    confidences: list
-    width: int
-
-
-class Decoder:
-    """The driver between rounds: a batch of ``batch`` rows, each a sequence
-    that enters with ``insert`` (or all at once with ``start``), advances one
-    round per ``step`` and leaves with ``release``. One host synchronisation
-    a round: the verify of round r and the draft of round r + 1 are evaluated
-    together, then round r + 1's width is planned from that draft's own
-    confidences. The cache grows in ``capacity_for`` buckets unless fixed."""
-
-    def __init__(self, params: Params, batch: int, *, width="auto", capacity: int | None = None,
-                 confidence_threshold: float = 0.0, costs: CostCurve | None = None, seed: int = 0,
-                 cost_sampling=GREEDY):
-        self.params = params
-        self.policy = verify_policy(
-            params, width, batch, sampling=cost_sampling, confidence_threshold=confidence_threshold, costs=costs
-        )
-        self.growing = capacity is None
-        self.cache = init_cache(params, batch, capacity or capacity_for(1), seed)
-        self.gate = self.policy.gate()
-        self.tokens = mx.zeros((batch,), mx.int32)
-        self.sampling = [GREEDY] * batch
-        self.active = np.zeros(batch, bool)
-        self.fresh = np.zeros(batch, bool)
-        self.committed = np.zeros(batch, int)
-        self.proposal = None
-
-    @property
-    def batch(self) -> int:
-        return len(self.active)
-
-    def ensure_capacity(self, slots: int) -> None:
-        """Grow to hold ``slots`` positions (a fixed cache refuses to write past its end)."""
-        if slots > self.cache.capacity:
-            if not self.growing:
-                raise ValueError(f"{slots} positions exceed the fixed cache capacity {self.cache.capacity}")
-            self.cache = grow_cache(self.params, self.cache, capacity_for(slots))
-
-    def room_for_prompt(self, length: int) -> None:
-        if self.growing:  # a fixed cache: prefill checks the fit itself
-            self.ensure_capacity(max(prefill_slots(length), length + self.policy.max_width))
-
-    def start(self, prompts: list, sampling=GREEDY) -> list[int]:
-        """Prefill every row at once (batched); returns each row's first token."""
-        settings = [sampling] * self.batch if isinstance(sampling, Sampling) else list(sampling)
-        self.room_for_prompt(max(len(p) for p in prompts))
-        self.cache, self.tokens = prefill(self.params, self.cache, prompts, sampling=settings)
-        self.sampling, self.active[:], self.fresh[:] = settings, True, False
-        self.committed = np.array([len(p) for p in prompts])
-        self.proposal = self._next_proposal()
-        mx.eval(self.tokens, self.proposal)
-        return self.tokens.tolist()
-
-    def insert(self, rows: Sequence[int], prompts: list, *, sampling=GREEDY, seeds: Sequence[int] = (),
-               prefix: Cache | None = None) -> list[int]:
-        """New sequences in the free rows ``rows`` between rounds (prefilled
-        together); returns their first tokens. ``prefix``: see ``insert``."""
-        settings = [sampling] * len(rows) if isinstance(sampling, Sampling) else list(sampling)
-        self.room_for_prompt(max(map(len, prompts)))
-        if prefix is not None and prefix.capacity < self.cache.capacity:
-            prefix = grow_cache(self.params, prefix, self.cache.capacity)
-        self.cache, tokens = insert(
-            self.params, self.cache, rows, prompts, sampling=settings, seeds=seeds, prefix=prefix
-        )
-        self.tokens[mx.array(list(rows))] = tokens
-        for row, prompt, setting in zip(rows, prompts, settings):
-            self.sampling[row], self.active[row], self.fresh[row] = setting, True, True
-            self.committed[row] = len(prompt)
-        return tokens.tolist()
-
-    def reset_policy(self) -> None:
-        """Forget what the gate learnt: a sequence that runs alone from here
-        follows the same drafting decisions, so its seeded samples repeat."""
-        self.gate = self.policy.gate()
-
-    def release(self, row: int) -> None:
-        """Free ``row``: it commits nothing more and its slots are reused."""
-        self.active[row] = False
-        self.committed[row] = 0
-        self.cache = self.cache._replace(length=mx.where(mx.arange(self.batch) == row, 0, self.cache.length))
-
-    def row_cache(self, row: int) -> Cache:
-        """Row ``row`` as a one-row cache (e.g. to keep a conversation's prefix)."""
-        return Cache(*(tree_map(lambda a: a[row : row + 1], part) for part in self.cache))
-
-    def _next_proposal(self):
-        drafting = self.policy.max_width > 1 and (self.gate is None or self.gate.draft_next())
-        return propose(self.params, self.cache, self.tokens, self.sampling) if drafting else None
-
-    def step(self) -> Step:
-        """One round over the active rows."""
-        active = self.active.copy()
-        width, limits, confidences = _round_plan(self.policy, self.proposal, active, self.fresh & active)
-        self.ensure_capacity(int(self.committed[active].max()) + width)
-        rows, mode = batch_sampling(self.sampling, self.batch)
-        proposal = self.proposal if confidences is not None else no_proposal(self.batch)
-        self.cache, result = _verify(
-            self.params, self.cache, self.tokens, proposal, width, rows, mode, mx.array(limits), mx.array(active)
-        )
-        self.tokens = result.next_tokens
-        self.proposal = self._next_proposal()
-        mx.eval(result, self.proposal)
-        self.committed += np.array(result.count)
-        if confidences is not None and self.gate is not None:
-            settled = active & ~self.fresh
-            self.gate.observe(np.array(result.accepted)[settled], limits[settled], confidences[settled])
-        self.fresh[:] = False
-        emitted, counts, accepted = result.emitted.tolist(), result.count.tolist(), result.accepted.tolist()
-        drafted, scores = result.drafted.tolist(), result.confidences.tolist()
-        live = np.flatnonzero(active).tolist()
-        return Step(
-            live,
-            [emitted[r][: counts[r]] for r in live],
-            [accepted[r] for r in live],
-            [drafted[r][: limits[r]] for r in live],
-            [scores[r][: limits[r]] for r in live],
-            width,
-        )
-
-
-def generate(
-    params: Params,
-    prompt,
-    max_new_tokens: int,
-    *,
-    width: int | str | None = "auto",
-    stop_tokens: Sequence[int] = (),
-    capacity: int | None = None,
-    sampling=GREEDY,
-    seed: int = 0,
-    confidence_threshold: float = 0.0,
-    costs: CostCurve | None = None,
-) -> Iterator[Event]:
-    """DSpark generation for one prompt or a batch of prompts (a list of
-    token lists), one ``Event`` per row per step.
-
-    ``width``: "auto" (default: draft only when the measured acceptance and
-    costs say it pays, then Algorithm 1 picks the length), an int (fixed) or
-    None (block size + 1); with ``confidence_threshold`` each row's proposal
-    ends at its first slot with a lower confidence. ``sampling`` is one
-    ``Sampling`` for every row or one per row; row b draws with its own
-    seed (derived from ``seed`` and b). Greedy output equals greedy decoding
-    of the target alone, row by row; sampled output is distributed as
-    sampling the target alone. Rows that finish stop emitting while the
-    others go on. ``capacity`` fixes the cache size; by default the cache
-    grows in ``capacity_for`` buckets with the context.
-    """
-    rows = _as_rows(prompt)
-    if max_new_tokens < 1:
-        raise ValueError("max_new_tokens must be at least 1")
-    batch = len(rows)
-    decoder = Decoder(
-        params, batch, width=width, capacity=capacity, confidence_threshold=confidence_threshold, costs=costs,
-        seed=seed, cost_sampling=sampling,
-    )
-    if capacity is not None:
-        _initial_capacity(rows, max_new_tokens, decoder.policy.max_width, capacity)
-    stop_tokens = set(stop_tokens)
-    produced, done = [0] * batch, [False] * batch
-    for row, token in enumerate(decoder.start(rows, sampling)):
-        emitted, done[row] = _truncate([token], stop_tokens, max_new_tokens)
-        produced[row] = len(emitted)
-        yield Event("prefill", emitted, 0, [], [], row)
-        if done[row]:
-            decoder.active[row] = False
-    while not all(done):
-        step = decoder.step()
-        for i, row in enumerate(step.rows):
-            kept, done[row] = _truncate(step.emitted[i], stop_tokens, max_new_tokens - produced[row])
-            produced[row] += len(kept)
-            yield Event("round", kept, step.accepted[i], step.drafted[i], step.confidences[i], row, step.width)
-            if done[row]:
-                decoder.active[row] = False
