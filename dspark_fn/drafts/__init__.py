@@ -18,8 +18,10 @@ ARCH_REGISTRY = Registry(
 
 
 def register_arch(model_type: str, arch: DraftArch) -> None:
+    """Register a draft architecture under ``model_type``."""
     ARCH_REGISTRY.register(model_type, arch)
 
 
 def resolve_arch(config: dict) -> DraftArch:
+    """The ``DraftArch`` of a draft config (by its ``model_type``); ``ValueError`` names the known ones."""
     return ARCH_REGISTRY.resolve(config)

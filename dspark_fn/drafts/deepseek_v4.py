@@ -67,6 +67,7 @@ class DeepseekV4DraftSpec(DSparkFields):
 
 
 def spec_from_config(config: dict) -> DeepseekV4DraftSpec:
+    """The draft spec from a V4 config carrying the ``dspark_*`` keys (mlx-vlm defaults for the rest)."""
     missing = [key for key in DSPARK_KEYS if key not in config]
     if missing:
         raise ValueError(f"deepseek_v4 config lacks {missing}: not a DSpark checkpoint")
@@ -89,6 +90,7 @@ def spec_from_config(config: dict) -> DeepseekV4DraftSpec:
 
 
 def _stage_shapes(spec: DeepseekV4DraftSpec) -> dict:
+    """Checkpoint shapes of one ``mtp.{i}`` stage, keys relative to the stage."""
     g = spec.block
     d, heads_width, hc = spec.hidden_size, g.num_heads * g.head_dim, g.hyper.streams
     mix = (2 + hc) * hc
@@ -125,6 +127,7 @@ def _stage_shapes(spec: DeepseekV4DraftSpec) -> dict:
 
 
 def checkpoint_shapes(spec: DeepseekV4DraftSpec) -> dict:
+    """Every checkpoint tensor ``{key: shape}`` of the three-stage draft (heads on the last stage)."""
     d, hc, last = spec.hidden_size, spec.block.hyper.streams, spec.num_stages - 1
     shapes = {
         "embed_tokens.weight": (spec.vocab_size, d),
@@ -184,6 +187,7 @@ def init_context(spec: DeepseekV4DraftSpec, batch: int, capacity: int) -> list:
 
 
 def extend_context(spec: DeepseekV4DraftSpec, params: dict, state: list, features, start) -> list:
+    """Write the context latents of ``features [B, L, F]`` at positions ``start[b] + i`` into every stage's buffer."""
     first = params["stages"][0]
     context = ops.rms_norm(ops.linear(first["main_proj"], features), first["main_norm"]["weight"], spec.block.eps)
     positions = positions_from(start, features.shape[1])
@@ -206,6 +210,7 @@ def context_attention(geometry: family.BlockSpec, attn: dict, context, mask, pos
 
 
 def block_forward(spec: DeepseekV4DraftSpec, params: dict, state: list, length, block_ids):
+    """The block ``block_ids [B, G]`` through the stages: ``(base logits [B, G, V'], pre-norm hc_head output [B, G, d])``."""
     width = block_ids.shape[1]
     geometry, capacity = spec.block, state[0].shape[2]
     positions = positions_from(length, width)

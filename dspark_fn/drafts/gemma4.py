@@ -31,6 +31,7 @@ class Gemma4DraftSpec(DSparkFields):
 
 
 def spec_from_config(config: dict) -> Gemma4DraftSpec:
+    """The draft spec from a DeepSpec gemma4 draft config (full-attention geometry of the target)."""
     family.reject_unsupported(config, "draft", per_layer_inputs=False)
     # Draft layers all use the target's full-attention parameters; the
     # top-level rope keys some draft configs carry are not read.
@@ -47,6 +48,7 @@ def spec_from_config(config: dict) -> Gemma4DraftSpec:
 
 
 def checkpoint_shapes(spec: Gemma4DraftSpec) -> dict:
+    """Every checkpoint tensor ``{key: shape}`` (no ``v_proj`` when K = V)."""
     d, inter = spec.hidden_size, spec.intermediate_size
     attention = spec.attention
     shapes = frame_shapes(spec)
@@ -64,6 +66,7 @@ def checkpoint_shapes(spec: Gemma4DraftSpec) -> dict:
 
 
 def init_context(spec: Gemma4DraftSpec, batch: int, capacity: int) -> list:
+    """Per draft layer, empty context K/V buffers ``[B, H_kv, C, D]``."""
     geometry = spec.attention
     return [
         kv_buffers(batch, geometry.num_kv_heads, capacity, geometry.head_dim)
@@ -72,6 +75,7 @@ def init_context(spec: Gemma4DraftSpec, batch: int, capacity: int) -> list:
 
 
 def extend_context(spec: Gemma4DraftSpec, params: dict, state: list, features, start) -> list:
+    """Project ``features [B, L, F]`` and write their K/V at positions ``start[b] + i`` in every layer."""
     context = ops.rms_norm(ops.linear(params["fc"], features), params["hidden_norm"]["weight"], spec.eps)
     positions = positions_from(start, features.shape[1])
     new_state = []
@@ -82,6 +86,7 @@ def extend_context(spec: Gemma4DraftSpec, params: dict, state: list, features, s
 
 
 def block_forward(spec: Gemma4DraftSpec, params: dict, state: list, length, block_ids):
+    """The block ``block_ids [B, G]`` at positions ``length[b] + k``: ``(softcapped base logits [B, G, V'], hidden [B, G, d])``."""
     width = block_ids.shape[1]
     capacity = state[0][0].shape[2]
     positions = positions_from(length, width)

@@ -70,14 +70,17 @@ DRAFT_VOCAB_KEY = "draft_vocab_ids"
 
 
 def markov_embedding(params: dict, prev: mx.array) -> mx.array:
+    """``markov_w1[prev]``: ``[..., r]``."""
     return params["markov_head"]["markov_w1"]["weight"][prev]
 
 
 def markov_bias(params: dict, embedding: mx.array) -> mx.array:
+    """The Markov bias ``[..., V']`` of a Markov embedding ``[..., r]``."""
     return embedding @ params["markov_head"]["markov_w2"]["weight"].T
 
 
 def confidence_logit(spec: DSparkFields, params: dict, hidden: mx.array, embedding) -> mx.array:
+    """The confidence logit ``[...]`` of ``[hidden ; embedding]`` (hidden alone without the Markov input)."""
     head = params["confidence_head"]["proj"]
     x = mx.concatenate([hidden, embedding], axis=-1) if spec.confidence_with_markov else hidden
     z = x @ head["weight"].T

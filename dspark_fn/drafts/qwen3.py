@@ -23,11 +23,13 @@ class Qwen3DraftSpec(DSparkFields, AttentionFields):
 
 
 def spec_from_config(config: dict) -> Qwen3DraftSpec:
+    """The draft spec from a DeepSpec qwen3 draft config."""
     fields = dspark_fields(config) | attention_fields(config)
     return Qwen3DraftSpec(**fields, intermediate_size=config["intermediate_size"])
 
 
 def checkpoint_shapes(spec: Qwen3DraftSpec) -> dict:
+    """Every checkpoint tensor ``{key: shape}`` of the draft."""
     shapes = frame_shapes(spec)
     for i in range(spec.num_layers):
         shapes |= decoder_layer_shapes(
@@ -37,6 +39,7 @@ def checkpoint_shapes(spec: Qwen3DraftSpec) -> dict:
 
 
 def init_context(spec: Qwen3DraftSpec, batch: int, capacity: int) -> list:
+    """Per draft layer, empty context K/V buffers ``[B, H_kv, C, D]``."""
     return [
         kv_buffers(batch, spec.num_kv_heads, capacity, spec.head_dim)
         for _ in range(spec.num_layers)
@@ -44,16 +47,19 @@ def init_context(spec: Qwen3DraftSpec, batch: int, capacity: int) -> list:
 
 
 def _keys(spec, attn, x, positions, inv_freq):
+    """Normed, rotated keys ``[B, H_kv, L, D]`` of ``x [B, L, d]`` at ``positions [B, L]``."""
     k = ops.split_heads(ops.linear(attn["k_proj"], x), spec.num_kv_heads)
     k = ops.rms_norm(k, attn["k_norm"]["weight"], spec.eps)
     return ops.apply_rope(k, positions, inv_freq)
 
 
 def _values(spec, attn, x):
+    """Values ``[B, H_kv, L, D]`` of ``x [B, L, d]``."""
     return ops.split_heads(ops.linear(attn["v_proj"], x), spec.num_kv_heads)
 
 
 def extend_context(spec: Qwen3DraftSpec, params: dict, state: list, features, start) -> list:
+    """Project ``features [B, L, F]`` to context rows and write their K/V at positions ``start[b] + i`` in every layer."""
     context = ops.rms_norm(ops.linear(params["fc"], features), params["hidden_norm"]["weight"], spec.eps)
     positions = positions_from(start, features.shape[1])
     inv_freq = ops.rope_inv_freq(spec.head_dim, dict(spec.rope))
@@ -67,6 +73,7 @@ def extend_context(spec: Qwen3DraftSpec, params: dict, state: list, features, st
 
 
 def block_forward(spec: Qwen3DraftSpec, params: dict, state: list, length, block_ids):
+    """The block ``block_ids [B, G]`` at positions ``length[b] + k``: ``(base logits [B, G, V'], hidden [B, G, d])``."""
     width = block_ids.shape[1]
     capacity = state[0][0].shape[2]
     positions = positions_from(length, width)

@@ -28,6 +28,7 @@ def restrict_vocabulary(params: dict, ids: mx.array, markov_rows: bool = True) -
 
 
 def check_vocabulary(ids: np.ndarray, vocab_size: int) -> None:
+    """Refuse a draft vocabulary that is empty, repeats an id or leaves ``0..vocab_size - 1``."""
     if ids.ndim != 1 or not len(ids):
         raise ValueError(f"{DRAFT_VOCAB_KEY} must be a non-empty list of token ids")
     if ids.min() < 0 or ids.max() >= vocab_size or len(np.unique(ids)) != len(ids):

@@ -40,6 +40,7 @@ def model_args(config: dict) -> dict:
 
 
 def block_spec(args: dict) -> BlockSpec:
+    """The ``BlockSpec`` of mlx-vlm model args (one shared K=V latent only)."""
     if args["num_key_value_heads"] != 1:
         raise ValueError(
             f"deepseek_v4 attention has one shared K=V latent, got num_key_value_heads={args['num_key_value_heads']}"
@@ -64,6 +65,7 @@ def block_spec(args: dict) -> BlockSpec:
 
 
 def rope_inv_freq(spec: BlockSpec) -> mx.array:
+    """Inverse frequencies ``[rope_dim / 2]`` of the rotated tail."""
     return spec.rope_theta ** (-mx.arange(0, spec.rope_dim, 2, dtype=mx.float32) / spec.rope_dim)
 
 
@@ -126,4 +128,5 @@ def block(spec: BlockSpec, layer: dict, streams, attention, token_ids=None):
 
 
 def embedded_streams(spec: BlockSpec, embed_tokens: dict, tokens) -> mx.array:
+    """Token embeddings ``[B, L, d]`` copied to the hyper-connection streams: ``[B, L, hc, d]``."""
     return mhc.expand(ops.embed(embed_tokens, tokens, spec.hidden_size), spec.hyper.streams)

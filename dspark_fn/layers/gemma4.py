@@ -60,10 +60,12 @@ def reject_unsupported(config: dict, what: str, per_layer_inputs: bool) -> None:
 
 
 def scaled_embedding(p: dict, ids: mx.array, hidden_size: int) -> mx.array:
+    """Token embeddings ``[B, L, d]`` scaled by ``sqrt(d)``."""
     return ops.embed(p, ids, hidden_size) * hidden_size**0.5
 
 
 def queries(geometry: AttentionGeometry, attn: dict, x, num_heads: int, positions, eps: float):
+    """Normed, rotated queries ``[B, H, L, D]`` of ``x [B, L, d]`` at ``positions [B, L]``."""
     q = ops.split_heads(ops.linear(attn["q_proj"], x), num_heads)
     q = ops.rms_norm(q, attn["q_norm"]["weight"], eps)
     return ops.apply_rope(q, positions, ops.rope_inv_freq(geometry.head_dim, dict(geometry.rope)))

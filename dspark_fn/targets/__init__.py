@@ -51,8 +51,10 @@ def activation_dtype(target_params: dict):
 
 
 def register_target(model_type: str, adapter: TargetAdapter) -> None:
+    """Register a target adapter under ``model_type``."""
     TARGET_REGISTRY.register(model_type, adapter)
 
 
 def resolve_target(config: dict) -> TargetAdapter:
+    """The ``TargetAdapter`` of a target config (by its ``model_type``); ``ValueError`` names the known ones."""
     return TARGET_REGISTRY.resolve(config)

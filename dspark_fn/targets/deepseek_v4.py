@@ -54,6 +54,7 @@ class DeepseekV4Spec:
 
 
 def spec_from_config(config: dict) -> DeepseekV4Spec:
+    """The target spec; compressed-attention layers are refused with the reason."""
     args = model_args(config)
     compressed = [i for i, ratio in enumerate(args["compress_ratios"]) if ratio]
     if compressed:
@@ -97,6 +98,7 @@ def tap(streams: mx.array) -> mx.array:
 
 
 def forward(spec: DeepseekV4Spec, params: dict, kv: list, tokens, start, taps: tuple):
+    """Run ``tokens [B, L]`` at positions ``start[b] + i``: ``(final-normed hidden [B, L, d], taps [B, L, F], kv)``."""
     model, geometry = params["model"], spec.block
     positions = positions_from(start, tokens.shape[1])
     mask = causal_mask(positions, kv[0][0].shape[2], spec.window)
@@ -125,6 +127,7 @@ def forward(spec: DeepseekV4Spec, params: dict, kv: list, tokens, start, taps: t
 
 
 def logits(spec: DeepseekV4Spec, params: dict, hidden: mx.array) -> mx.array:
+    """Output logits ``[..., V]`` of final-normed ``hidden``."""
     return ops.linear(output_head(params, spec.tied), hidden)
 
 

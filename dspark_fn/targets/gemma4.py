@@ -58,6 +58,7 @@ def kv_sources(layer_types: list, num_kv_layers: int) -> tuple:
 def spec_from_config(config: dict) -> Gemma4Spec:
     # The tree is built by mlx-lm from this config, so read it with mlx-lm's
     # own defaults for keys a config may leave out.
+    """The target spec, read with mlx-lm's defaults; unsupported variants are refused with the reason."""
     from mlx_lm.models.gemma4_text import ModelArgs
 
     reject_unsupported(config, "target", per_layer_inputs=True)
@@ -82,6 +83,7 @@ def spec_from_config(config: dict) -> Gemma4Spec:
 
 
 def init_kv(spec: Gemma4Spec, batch: int, capacity: int, dtype=mx.float32) -> list:
+    """K/V buffers ``[B, H_kv, C, D]`` for the layers that own them (the others share)."""
     return [
         kv_buffers(batch, g.num_kv_heads, capacity, g.head_dim, dtype)
         for g in spec.geometry[: spec.num_kv_layers]
@@ -102,6 +104,7 @@ def per_layer_inputs(spec: Gemma4Spec, model: dict, tokens, embedded) -> list:
 
 
 def forward(spec: Gemma4Spec, params: dict, kv: list, tokens, start, taps: tuple):
+    """Run ``tokens [B, L]`` at positions ``start[b] + i``: ``(final-normed hidden [B, L, d], taps [B, L, F], kv)``."""
     model = params["model"]
     positions = positions_from(start, tokens.shape[1])
     capacity = kv[0][0].shape[2]
@@ -131,6 +134,7 @@ def forward(spec: Gemma4Spec, params: dict, kv: list, tokens, start, taps: tuple
 
 
 def logits(spec: Gemma4Spec, params: dict, hidden: mx.array) -> mx.array:
+    """Softcapped output logits ``[..., V]`` of final-normed ``hidden``."""
     return ops.softcap(ops.linear(output_head(params, spec.tied), hidden), spec.softcap)
 
 

@@ -24,6 +24,7 @@ class LlamaSpec(AttentionFields):
 
 
 def spec_from_config(config: dict) -> LlamaSpec:
+    """The target spec of an HF llama/mistral/qwen2/qwen3 config."""
     return LlamaSpec(
         model_type=config["model_type"],
         vocab_size=config["vocab_size"],
@@ -35,6 +36,7 @@ def spec_from_config(config: dict) -> LlamaSpec:
 
 
 def init_kv(spec: LlamaSpec, batch: int, capacity: int, dtype=mx.float32) -> list:
+    """Per layer, K/V buffers ``[B, H_kv, C, D]``."""
     return [
         kv_buffers(batch, spec.num_kv_heads, capacity, spec.head_dim, dtype)
         for _ in range(spec.num_layers)
@@ -58,6 +60,7 @@ def attention_block(spec, p, x, keys, values, start, positions, mask, inv_freq):
 
 
 def forward(spec: LlamaSpec, params: dict, kv: list, tokens, start, taps: tuple):
+    """Run ``tokens [B, L]`` at positions ``start[b] + i``: ``(final-normed hidden [B, L, d], taps [B, L, F], kv)``."""
     model = params["model"]
     positions = positions_from(start, tokens.shape[1])
     mask = causal_mask(positions, kv[0][0].shape[2])
@@ -80,6 +83,7 @@ def forward(spec: LlamaSpec, params: dict, kv: list, tokens, start, taps: tuple)
 
 
 def logits(spec: LlamaSpec, params: dict, hidden: mx.array) -> mx.array:
+    """Output logits ``[..., V]`` of final-normed ``hidden``."""
     return ops.linear(output_head(params, spec.tied), hidden)
 
 
