@@ -6,6 +6,7 @@ comparisons side by side in one process.
     python bench/report.py quant       # tau of the default draft: float vs 8-bit vs 4-bit
     python bench/report.py speed       # default policy vs mlx-lm greedy on every bundled set
     python bench/report.py context     # default policy vs mlx-lm greedy after long prompts
+    python bench/report.py precision   # target x draft precision: speedup, tau, memory
 
 Environment: N (prompts per dataset, default 50), TOKENS (new tokens, default 128),
 SPEED_N (prompts for the speed comparison, default 10), REPEATS (default 3).
@@ -134,6 +135,32 @@ def context() -> None:
               f"{s['speedup']:.2f}x | {s['identical']} |", flush=True)
 
 
+def precision() -> None:
+    """Target precision x draft precision on the embedded default: speedup over
+    mlx-lm greedy on the same (quantized) target, tau and memory."""
+    import dspark_fn.models as models
+    from dspark_fn.quantize import quantize_draft
+    from mlx.utils import tree_flatten
+
+    print(f"embedded default, gsm8k, {SPEED_N} prompts, {TOKENS} new tokens, greedy, default policy, medians of "
+          f"{REPEATS} repeats ({machine()})\n")
+    print("| target | draft | mlx-lm greedy tokens/s | dspark_fn tokens/s | speedup | tau | memory (MB) | identical |")
+    print("|---|---|---|---|---|---|---|---|")
+    for target_bits in (None, 8, 4):
+        params, tokenizer, config = models.load_named(quant_target=target_bits)
+        model = mlx_lm_model(config, params.target)
+        prompts = [chat_tokens(tokenizer, text) for text in first_turns("gsm8k", SPEED_N)]
+        for draft_bits in (None, 8, 4):
+            pair = params if draft_bits is None else params._replace(draft=quantize_draft(params.draft, draft_bits))
+            s = run_bench(pair, model, prompts, TOKENS, stop_tokens(tokenizer), repeats=REPEATS).summary()
+            arrays = {id(a): a for _, a in tree_flatten((pair.target, pair.draft))}
+            memory = sum(a.nbytes for a in arrays.values()) / 2**20
+            label = lambda bits: "float32" if bits is None else f"{bits}-bit"  # noqa: E731
+            print(f"| {label(target_bits)} | {label(draft_bits)} | {s['baseline_tokens_per_s']:.1f} | "
+                  f"{s['dspark_tokens_per_s']:.1f} | {s['speedup']:.2f}x | {s['tau']:.2f} | {memory:.0f} | "
+                  f"{s['identical']} |", flush=True)
+
+
 def quant() -> None:
     params, tokenizer, _ = load_named()
     print(f"embedded default, gsm8k, {N} prompts, {TOKENS} new tokens, greedy ({machine()})\n")
@@ -145,7 +172,8 @@ def quant() -> None:
 
 
 if __name__ == "__main__":
-    sections = {"core": core, "default": default, "quant": quant, "speed": speed, "context": context}
+    sections = {"core": core, "default": default, "quant": quant, "speed": speed, "context": context,
+                "precision": precision}
     for name in sys.argv[1:] or sections:
         sections[name]()
         print()

@@ -115,6 +115,8 @@ def distil(target_source, out_dir, setup: DistilConfig, config: TrainConfig, res
     if have < setup.answer_tokens:
         log(f"answering: a single stream decodes {single_stream_speed(params, prompts[0][1], 32, stops):.1f} tokens/s")
         bar = progress(setup.answer_tokens, "answer tokens") if progress else None
+        if bar is not None:
+            bar.update(have)
         seen = [have]
 
         def on_answer(count, tokens):
