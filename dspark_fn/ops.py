@@ -89,8 +89,10 @@ def rope_parameters(config: dict) -> dict:
 def rope_inv_freq(head_dim: int, rope: dict) -> mx.array:
     """Inverse frequencies ``[head_dim // 2]`` for an HF ``rope_parameters`` dict.
 
-    Supports ``default``, ``linear``, ``llama3`` and gemma's ``proportional``
-    (partial rotary: the tail frequencies are zero, i.e. identity rotation).
+    Supports ``default``, ``linear``, ``llama3``, ``yarn`` (frequencies only,
+    as DeepSeek-V4 uses it: no attention rescaling) and gemma's
+    ``proportional`` (partial rotary: the tail frequencies are zero, i.e.
+    identity rotation).
     """
     theta = float(rope.get("rope_theta", 10000.0))
     kind = rope.get("rope_type", rope.get("type", "default")) or "default"
@@ -107,8 +109,10 @@ def rope_inv_freq(head_dim: int, rope: dict) -> mx.array:
         return inv / float(rope["factor"])
     if kind == "llama3":
         return _llama3_scaled(inv, rope)
+    if kind in ("yarn", "deepseek_yarn"):
+        return _yarn_scaled(inv, rope, head_dim, theta)
     raise ValueError(
-        f"unsupported rope_type {kind!r}; supported: default, linear, llama3, proportional"
+        f"unsupported rope_type {kind!r}; supported: default, linear, llama3, yarn, proportional"
     )
 
 
@@ -123,6 +127,23 @@ def _llama3_scaled(inv: mx.array, rope: dict) -> mx.array:
     scaled = mx.where(wavelen > original / low, inv / factor, inv)
     is_medium = (wavelen <= original / low) & (wavelen >= original / high)
     return mx.where(is_medium, blended, scaled)
+
+
+def _yarn_scaled(inv: mx.array, rope: dict, dims: int, theta: float) -> mx.array:
+    """Interpolate the slow frequencies by ``factor``, keep the fast ones, and
+    ramp linearly between the dims that turn ``beta_fast`` and ``beta_slow``
+    times over the original context."""
+    factor = float(rope["factor"])
+    original = float(rope["original_max_position_embeddings"])
+
+    def dim_turning(turns: float) -> float:
+        return dims * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = max(math.floor(dim_turning(float(rope.get("beta_fast", 32)))), 0)
+    high = min(math.ceil(dim_turning(float(rope.get("beta_slow", 1)))), dims - 1)
+    high = high if high != low else high + 0.001
+    kept = 1 - mx.clip((mx.arange(dims // 2, dtype=mx.float32) - low) / (high - low), 0, 1)
+    return inv / factor * (1 - kept) + inv * kept
 
 
 def apply_rope(x: mx.array, positions: mx.array, inv_freq: mx.array) -> mx.array:

@@ -299,13 +299,16 @@ def verify_block(
 
 @lru_cache(maxsize=None)
 def _prefill_kernel(spec: PairSpec):
-    def chunk(target, draft, cache, tokens, start, last_row, last_logits):
+    def chunk(target, draft, cache, tokens, start, first, last_row, last_logits):
         TRACE_COUNTS["prefill"] += 1
         adapter = spec.target_adapter
         target_kv, draft_state = cache
-        hidden, features, target_kv = adapter.forward(
-            spec.target, target, target_kv, tokens, start, spec.taps
-        )
+        if adapter.prompt_forward is None:
+            hidden, features, target_kv = adapter.forward(spec.target, target, target_kv, tokens, start, spec.taps)
+        else:
+            hidden, features, target_kv = adapter.prompt_forward(
+                spec.target, target, target_kv, tokens, start, spec.taps, first, last_row + 1
+            )
         draft_state = spec.draft_arch.extend_context(spec.draft, draft, draft_state, features, start)
         row = last_row - start
         in_chunk = (row >= 0) & (row < tokens.shape[1])
@@ -374,7 +377,9 @@ def prefill(params: Params, cache: Cache, prompt, *, sampling=GREEDY, chunk_size
     last_logits = mx.zeros((len(running), vocab), mx.float32)
     for begin in range(0, padded_length, chunk_size):
         chunk = padded[:, begin : begin + chunk_size]
-        state, last_logits = kernel(params.target, params.draft, state, chunk, offsets + begin, last_rows, last_logits)
+        state, last_logits = kernel(
+            params.target, params.draft, state, chunk, offsets + begin, offsets, last_rows, last_logits
+        )
     if len(running) < len(rows):
         index = mx.array(source)
         state, last_logits = tree_map(lambda a: a[index], (state, last_logits))

@@ -107,27 +107,33 @@ def vlm_greedy(target, prompt: list, count: int) -> list:
     return tokens
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
+def write_pair(root, text: dict, seed: int):
+    """A random mlx-vlm target of config ``text`` and a random DSpark draft for
+    it, saved under ``root``: ``(target, draft checkpoint, params)``."""
     from mlx_vlm.models.deepseek_v4 import Model, ModelConfig
-    from mlx_vlm.speculative.drafters.deepseek_v4_dspark import Model as VlmDraft
-    from mlx_vlm.speculative.drafters.deepseek_v4_dspark import ModelConfig as VlmDraftConfig
 
-    root = tmp_path_factory.mktemp("deepseek_v4")
-    target = Model(ModelConfig.from_dict(TEXT))
+    target = Model(ModelConfig.from_dict(text))
     shapes = {name: value.shape for name, value in tree_flatten(target.parameters())}
-    target.update(tree_unflatten(list(randomised(shapes, seed=1).items())))
+    target.update(tree_unflatten(list(randomised(shapes, seed=seed).items())))
     target.eval()
     (root / "target").mkdir()
-    (root / "target" / "config.json").write_text(json.dumps(TEXT))
+    (root / "target" / "config.json").write_text(json.dumps(text))
     mx.save_safetensors(str(root / "target" / "model.safetensors"), dict(tree_flatten(target.parameters())))
-
-    config = {**TEXT, **DSPARK}
+    config = {**text, **DSPARK}
     spec = draft_v4.spec_from_config(config)
     shared = ("embed_tokens.weight", "lm_head.weight")
     checkpoint = randomised({k: v for k, v in draft_v4.checkpoint_shapes(spec).items() if k not in shared}, seed=2)
     save_draft(root / "draft", config, checkpoint)
+    return target, checkpoint, dspark_fn.load(root / "target", root / "draft")
 
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    from mlx_vlm.speculative.drafters.deepseek_v4_dspark import Model as VlmDraft
+    from mlx_vlm.speculative.drafters.deepseek_v4_dspark import ModelConfig as VlmDraftConfig
+
+    root = tmp_path_factory.mktemp("deepseek_v4")
+    target, checkpoint, params = write_pair(root, TEXT, seed=1)
     # mlx-vlm drops the dspark_* keys from text_config: they go top-level, block_size counting the anchor
     vlm_config = dict(
         model_type="deepseek_v4_dspark",
@@ -142,10 +148,7 @@ def pair(tmp_path_factory):
     vlm_draft.load_weights(list(vlm_draft.sanitize(checkpoint).items()), strict=True)
     vlm_draft.eval()
     vlm_draft.bind(target)
-    return SimpleNamespace(
-        root=root, target=target, vlm_draft=vlm_draft, checkpoint=checkpoint,
-        params=dspark_fn.load(root / "target", root / "draft"),
-    )
+    return SimpleNamespace(root=root, target=target, vlm_draft=vlm_draft, checkpoint=checkpoint, params=params)
 
 
 def close(actual, expected, what):
@@ -289,7 +292,109 @@ def test_checkpoint_keys_land_in_the_mlx_vlm_layout(pair):
 
 
 def test_unsupported_configs_are_rejected():
-    with pytest.raises(ValueError, match="compressed-attention layers"):
-        target_v4.spec_from_config({**TEXT, "compress_ratios": [0, 4, 128, 0]})
+    with pytest.raises(ValueError, match="vision layers"):
+        target_v4.spec_from_config({**TEXT, "vision_n_layers": 1})
     with pytest.raises(ValueError, match="not a DSpark checkpoint"):
         draft_v4.spec_from_config(TEXT)
+
+
+# ---- compressed attention: pooled windows (ratio 128), indexed overlapping pools (ratio 4)
+
+COMPRESSED = {
+    **TEXT,
+    "compress_ratios": [0, 4, 128, 4],
+    "compress_rope_theta": 160000.0,
+    "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+    "index_n_heads": 2,
+    "index_head_dim": 16,
+    "index_topk": 3,  # fewer than the pooled rows: the indexer's choice matters
+}
+
+
+@pytest.fixture(scope="module")
+def compressed(tmp_path_factory):
+    target, _, params = write_pair(tmp_path_factory.mktemp("deepseek_v4_compressed"), COMPRESSED, seed=3)
+    return SimpleNamespace(target=target, params=params)
+
+
+def vlm_decode(target, prompt: list, continuation: list):
+    """mlx-vlm's logits and taps of every position: the prompt in one call, then one token a call."""
+    cache = target.make_cache()
+    outputs = [target(mx.array([prompt]), cache=cache, capture_layer_ids=TAPS)]
+    outputs += [target(mx.array([[t]]), cache=cache, capture_layer_ids=TAPS) for t in continuation]
+    logits = mx.concatenate([out.logits for out in outputs], axis=1)
+    return logits, mx.concatenate([mx.concatenate(out.hidden_states, axis=-1) for out in outputs], axis=1)
+
+
+def chunked_prefill(params, prompt: list, chunk: int, capacity: int = 512):
+    """Our target over ``prompt`` in calls of ``chunk`` tokens (the last one
+    padded, as ``prefill`` does): ``(logits, taps, kv)`` of the prompt rows."""
+    spec, adapter = params.spec, params.spec.target_adapter
+    kv = adapter.init_kv(spec.target, 1, capacity)
+    padded = prompt + [0] * (-len(prompt) % chunk)
+    span = mx.array([0]), mx.array([len(prompt)])
+    hidden, taps = [], []
+    for begin in range(0, len(padded), chunk):
+        h, f, kv = adapter.prompt_forward(
+            spec.target, params.target, kv, mx.array([padded[begin : begin + chunk]]), mx.array([begin]), spec.taps,
+            *span,
+        )
+        hidden.append(h)
+        taps.append(f)
+    logits = adapter.logits(spec.target, params.target, mx.concatenate(hidden, axis=1))
+    return logits[:, : len(prompt)], mx.concatenate(taps, axis=1)[:, : len(prompt)], kv
+
+
+@pytest.mark.parametrize("length, chunk", [(8, 64), (60, 16), (300, 64), (300, 50)])
+def test_compressed_target_matches_mlx_vlm_over_prefill_and_decode(compressed, length, chunk):
+    """Logits and taps of every position equal mlx-vlm's: a prompt mlx-vlm runs
+    token by token (two windows, pooled apart), one shorter than 128, and longer than 128 and than many windows, fed
+    to us in chunks whose boundaries fall inside windows and to mlx-vlm in one
+    call; then 40 decoded tokens that complete windows one token at a time."""
+    params, rng = compressed.params, np.random.default_rng(length + chunk)
+    prompt, continuation = rng.integers(0, NOISE, length).tolist(), rng.integers(0, NOISE, 40).tolist()
+    expected_logits, expected_taps = vlm_decode(compressed.target, prompt, continuation)
+    logits, taps, kv = chunked_prefill(params, prompt, chunk)
+    spec, adapter = params.spec, params.spec.target_adapter
+    for i, token in enumerate(continuation):
+        h, f, kv = adapter.forward(spec.target, params.target, kv, mx.array([[token]]), mx.array([length + i]), spec.taps)
+        logits = mx.concatenate([logits, adapter.logits(spec.target, params.target, h)], axis=1)
+        taps = mx.concatenate([taps, f], axis=1)
+    close(logits, expected_logits, "target logits")
+    close(taps, expected_taps, "target taps")
+
+
+def test_compressed_rollback_rounds_follow_mlx_vlm_greedy(compressed):
+    """Verify blocks accepting 0..5 drafts, so rejected drafts complete windows
+    (ratio 4 every few rounds, ratio 128 once, at position 256) that accepted
+    tokens complete again later: every round accepts exactly the true prefix,
+    and the logits after the last round equal mlx-vlm's decoding."""
+    params = compressed.params
+    prompt = np.random.default_rng(5).integers(0, NOISE, 200).tolist()
+    truth = vlm_greedy(compressed.target, prompt, 110)
+    cache, tokens = dspark_fn.prefill(params, dspark_fn.init_cache(params, 1, 512), prompt)
+    position, keeps = 0, [5, 0, 3, 1, 4, 2]  # truth[position] is the anchor
+    for round_index in range(24):
+        keep = keeps[round_index % len(keeps)]
+        assert tokens.item() == truth[position]
+        cache, result = dspark_fn.verify_block(params, cache, oracle_block(truth[position], truth[position + 1 :], keep))
+        assert result.accepted.item() == keep
+        position += keep + 1
+        tokens = result.next_tokens
+    assert cache.length.item() == len(prompt) + position > 256
+    spec, adapter = params.spec, params.spec.target_adapter
+    hidden, _, _ = adapter.forward(spec.target, params.target, cache.target, tokens[:, None], cache.length, spec.taps)
+    expected, _ = vlm_decode(compressed.target, prompt, truth[: position + 1])
+    close(adapter.logits(spec.target, params.target, hidden), expected[:, -1:], "logits after the rounds")
+
+
+def test_compressed_generate_equals_mlx_vlm_greedy_for_300_tokens(compressed):
+    """Two prompts of different lengths in one batch, full draft blocks every
+    round (each rejected suffix rolled back), the cache growing past 256 slots."""
+    rng = np.random.default_rng(6)
+    prompts = [rng.integers(0, NOISE, 40).tolist(), rng.integers(0, NOISE, 57).tolist()]
+    streams = [[], []]
+    for event in dspark_fn.generate(compressed.params, prompts, 300, width=None):
+        streams[event.row] += event.emitted
+    for prompt, stream in zip(prompts, streams):
+        assert stream == vlm_greedy(compressed.target, prompt, 300)

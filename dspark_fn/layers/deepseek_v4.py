@@ -64,9 +64,11 @@ def block_spec(args: dict) -> BlockSpec:
     )
 
 
-def rope_inv_freq(spec: BlockSpec) -> mx.array:
-    """Inverse frequencies ``[rope_dim / 2]`` of the rotated tail."""
-    return spec.rope_theta ** (-mx.arange(0, spec.rope_dim, 2, dtype=mx.float32) / spec.rope_dim)
+def rope_inv_freq(spec: BlockSpec, rope: dict | None = None) -> mx.array:
+    """Inverse frequencies ``[rope_dim / 2]`` of the rotated tail: plain at
+    ``rope_theta`` (sliding-window layers), or from a rope dict (compressed
+    layers: ``compress_rope_theta`` with the config's scaling)."""
+    return ops.rope_inv_freq(spec.rope_dim, rope or {"rope_theta": spec.rope_theta})
 
 
 def rotate_tail(x: mx.array, positions: mx.array, inv_freq: mx.array, inverse: bool = False) -> mx.array:
@@ -84,11 +86,20 @@ def rotate_tail(x: mx.array, positions: mx.array, inv_freq: mx.array, inverse: b
     return mx.concatenate([kept, turned.reshape(tail.shape).astype(x.dtype)], axis=-1)
 
 
-def queries(spec: BlockSpec, attn: dict, x, positions, inv_freq) -> mx.array:
-    """``[B, H, L, D]``: low-rank, then RMS-normalised per head without a weight, then rotated."""
-    low_rank = ops.rms_norm(ops.linear(attn["wq_a"], x), attn["q_norm"]["weight"], spec.eps)
-    q = ops.split_heads(ops.linear(attn["wq_b"], low_rank), spec.num_heads)
+def query_residual(spec: BlockSpec, attn: dict, x) -> mx.array:
+    """The normed low-rank query ``[B, L, q_lora_rank]`` (the indexer reads it too)."""
+    return ops.rms_norm(ops.linear(attn["wq_a"], x), attn["q_norm"]["weight"], spec.eps)
+
+
+def query_heads(spec: BlockSpec, attn: dict, residual, positions, inv_freq) -> mx.array:
+    """``[B, H, L, D]`` from the low-rank query: RMS-normalised per head without a weight, then rotated."""
+    q = ops.split_heads(ops.linear(attn["wq_b"], residual), spec.num_heads)
     return rotate_tail(ops.rms_norm(q, None, spec.eps), positions, inv_freq)
+
+
+def queries(spec: BlockSpec, attn: dict, x, positions, inv_freq) -> mx.array:
+    """``[B, H, L, D]`` queries of ``x``."""
+    return query_heads(spec, attn, query_residual(spec, attn, x), positions, inv_freq)
 
 
 def latents(spec: BlockSpec, attn: dict, x, positions, inv_freq) -> mx.array:
@@ -107,11 +118,16 @@ def grouped_output(spec: BlockSpec, attn: dict, out: mx.array) -> mx.array:
     return ops.linear(attn["wo_b"], low_rank.transpose(0, 2, 1, 3).reshape(batch, length, -1))
 
 
+def attention_output(spec: BlockSpec, attn: dict, out, positions, inv_freq) -> mx.array:
+    """``[B, L, d]``: the heads' rotated tail turned back at the query position, then the output projection."""
+    return grouped_output(spec, attn, rotate_tail(out, positions, inv_freq, inverse=True))
+
+
 def attend(spec: BlockSpec, attn: dict, q, keys, mask, positions, inv_freq) -> mx.array:
     """Sink attention over the latent rows ``keys`` (also the values), then the output projection."""
     sinks = attn["attn_sink"].astype(q.dtype)
     out = mx.fast.scaled_dot_product_attention(q, keys, keys, scale=spec.head_dim**-0.5, mask=mask, sinks=sinks)
-    return grouped_output(spec, attn, rotate_tail(out, positions, inv_freq, inverse=True))
+    return attention_output(spec, attn, out, positions, inv_freq)
 
 
 def block(spec: BlockSpec, layer: dict, streams, attention, token_ids=None):

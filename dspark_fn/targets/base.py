@@ -20,6 +20,10 @@ class TargetAdapter:
         decoder layers listed in ``taps`` (``[B, L, len(taps) * d]``).
     logits(spec, params, hidden) -> [..., V]
     load_params(directory) -> params   optional; without it the tree is mlx-lm's
+    prompt_forward(spec, params, kv, tokens, start, taps, first, end)
+        optional: ``forward`` for prefill chunks of prompts spanning positions
+        ``first[b] .. end[b] - 1``, for families whose state depends on how
+        the prompt was split into calls (DeepSeek-V4's pooled windows)
     """
 
     spec_from_config: Callable
@@ -27,6 +31,7 @@ class TargetAdapter:
     forward: Callable
     logits: Callable
     load_params: Callable | None = None
+    prompt_forward: Callable | None = None
 
 
 def concat_taps(tapped: dict, taps: tuple):

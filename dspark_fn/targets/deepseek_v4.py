@@ -3,12 +3,11 @@ embedded hyper-connection streams through hyper-connected blocks of sink
 attention over one shared latent and a mixture of experts
 (``layers/deepseek_v4.py``), then the collapsed streams' norm.
 
-Supported: sliding-window layers (``compress_ratios`` entry 0) with score or
-hash routing. Compressed layers (ratio 4 with the sparse indexer, ratio 128)
-are rejected: their pooled keys summarise whole windows of committed tokens,
-which needs a second, window-indexed buffer per layer and a rollback rule for
-partly written windows that this module does not implement. Quantized (FP8 /
-FP4) weights must be dequantized first.
+Every layer kind runs: sliding-window layers (``compress_ratios`` entry 0)
+and compressed layers (ratio 128, and ratio 4 with its sparse indexer; see
+``layers/deepseek_v4_pooling.py`` for the pooled rows and their rollback).
+Compressed layers rotate at ``compress_rope_theta`` with the config's rope
+scaling. Quantized (FP8 / FP4) weights must be dequantized first.
 
 Taps are the plain mean over the hyper-connection streams of the tapped
 blocks' outputs, as in the reference and mlx-vlm; the last block may be
@@ -26,15 +25,19 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from .. import mhc, ops
 from ..cache import causal_mask, positions_from, write_rows
+from ..layers import deepseek_v4_pooling as pooling
 from ..layers.deepseek_v4 import (
     BlockSpec,
     attend,
+    attention_output,
     block,
     block_spec,
     embedded_streams,
     latents,
     model_args,
     queries,
+    query_heads,
+    query_residual,
     rope_inv_freq,
 )
 from .base import TargetAdapter, concat_taps, output_head
@@ -50,18 +53,17 @@ class DeepseekV4Spec:
     window: int
     num_hash_layers: int
     tied: bool
+    ratios: tuple  # compress ratio per layer: 0 (sliding window only), 4 (indexed) or 128
+    compress_rope: tuple  # rope dict items of the compressed layers
+    index_heads: int
+    index_head_dim: int
+    index_topk: int
     last_layer_tappable: bool = True
 
 
 def spec_from_config(config: dict) -> DeepseekV4Spec:
-    """The target spec; compressed-attention layers are refused with the reason."""
+    """The target spec (mlx-vlm's config defaults; vision layers are refused)."""
     args = model_args(config)
-    compressed = [i for i, ratio in enumerate(args["compress_ratios"]) if ratio]
-    if compressed:
-        raise ValueError(
-            f"unsupported deepseek_v4 target: layers {compressed} are compressed-attention layers "
-            f"(compress_ratios {args['compress_ratios']}); only sliding-window layers (ratio 0) are supported"
-        )
     if args["vision_n_layers"]:
         raise ValueError("unsupported deepseek_v4 target: vision layers (vision_n_layers > 0)")
     return DeepseekV4Spec(
@@ -73,6 +75,11 @@ def spec_from_config(config: dict) -> DeepseekV4Spec:
         window=args["sliding_window"],
         num_hash_layers=args["num_hash_layers"],
         tied=args["tie_word_embeddings"],
+        ratios=tuple(args["compress_ratios"]),
+        compress_rope=tuple(sorted({**(args["rope_scaling"] or {}), "rope_theta": args["compress_rope_theta"]}.items())),
+        index_heads=args["index_n_heads"],
+        index_head_dim=args["index_head_dim"],
+        index_topk=args["index_topk"],
     )
 
 
@@ -85,8 +92,21 @@ def load_params(directory) -> dict:
 
 
 def init_kv(spec: DeepseekV4Spec, batch: int, capacity: int, dtype=mx.float32) -> list:
-    """Per layer one latent buffer ``[B, 1, capacity, head_dim]`` (keys are the values)."""
-    return [(mx.zeros((batch, 1, capacity, spec.block.head_dim), dtype),) for _ in range(spec.num_layers)]
+    """Per layer a tuple: the latent buffer ``[B, 1, capacity, head_dim]`` (keys
+    are the values); compressed layers add their pool's buffers, ratio-4
+    layers then the indexer's pool's (``pooling.pool_buffers``)."""
+    dim = spec.block.head_dim
+
+    def layer(ratio: int) -> tuple:
+        latent = (mx.zeros((batch, 1, capacity, dim), dtype),)
+        if ratio == 0:
+            return latent
+        if ratio != 4:
+            return latent + pooling.pool_buffers(batch, capacity, dim, dim, dtype)
+        index = pooling.pool_buffers(batch, capacity, 2 * spec.index_head_dim, spec.index_head_dim, dtype)
+        return latent + pooling.pool_buffers(batch, capacity, 2 * dim, dim, dtype) + index
+
+    return [layer(ratio) for ratio in spec.ratios]
 
 
 def tap(streams: mx.array) -> mx.array:
@@ -97,33 +117,82 @@ def tap(streams: mx.array) -> mx.array:
 # ---- the target forward
 
 
-def forward(spec: DeepseekV4Spec, params: dict, kv: list, tokens, start, taps: tuple):
-    """Run ``tokens [B, L]`` at positions ``start[b] + i``: ``(final-normed hidden [B, L, d], taps [B, L, F], kv)``."""
+def window_attention(spec: DeepseekV4Spec, attn: dict, state: tuple, start, positions, mask, inv_freq):
+    """A sliding-window layer's attention: ``x -> (y, (latents,))``."""
+
+    def attention(x):
+        written = write_rows(state[0], latents(spec.block, attn, x, positions, inv_freq), start)
+        q = queries(spec.block, attn, x, positions, inv_freq)
+        return attend(spec.block, attn, q, written, mask, positions, inv_freq), (written,)
+
+    return attention
+
+
+def compressed_attention(spec: DeepseekV4Spec, attn: dict, state: tuple, ratio: int, start, positions, mask,
+                         prompt_first):
+    """A compressed layer's attention: ``x -> (y, state)``; ratio 4 attends to
+    the indexer's top-k pooled rows per query, other ratios to all of them."""
+    geometry, inv_freq = spec.block, rope_inv_freq(spec.block, dict(spec.compress_rope))
+    capacity = state[0].shape[2]
+    count = capacity // ratio  # pooled slots any position can see
+    visible = pooling.visible_windows(positions, ratio, count)
+
+    def pool(params, buffers, x):
+        return pooling.compress(params, buffers, x, start, prompt_first, ratio, geometry.eps, inv_freq)
+
+    def attention(x):
+        written = write_rows(state[0], latents(geometry, attn, x, positions, inv_freq), start)
+        residual = query_residual(geometry, attn, x)
+        q = query_heads(geometry, attn, residual, positions, inv_freq)
+        main = pool(attn["compressor"], state[1:4], x)
+        pooled = main[2][:, :, :count]
+        if ratio != 4:
+            keys = mx.concatenate([written, pooled], axis=2)
+            return attend(geometry, attn, q, keys, mx.concatenate([mask, visible], -1), positions, inv_freq), (
+                written, *main)
+        index = pool(attn["indexer"]["compressor"], state[4:7], x)
+        chosen = pooling.top_windows(attn["indexer"], x, residual, index[2][:, :, :count], visible, positions,
+                                     inv_freq, spec.index_heads, spec.index_topk)
+        out = pooling.sparse_attention(q, written, mask, pooled, chosen, visible, attn["attn_sink"].astype(q.dtype),
+                                       geometry.head_dim**-0.5)
+        return attention_output(geometry, attn, out, positions, inv_freq), (written, *main, *index)
+
+    return attention
+
+
+def forward(spec: DeepseekV4Spec, params: dict, kv: list, tokens, start, taps: tuple, prompt_first=None):
+    """Run ``tokens [B, L]`` at positions ``start[b] + i``: ``(final-normed hidden [B, L, d], taps [B, L, F], kv)``.
+
+    ``prompt_first [B]`` is set while a prompt is prefilled (``prompt_forward``):
+    the position its overlapping pools count from.
+    """
     model, geometry = params["model"], spec.block
     positions = positions_from(start, tokens.shape[1])
     mask = causal_mask(positions, kv[0][0].shape[2], spec.window)
     inv_freq = rope_inv_freq(geometry)
 
-    def self_attention(layer, buffer):
-        def attention(x):
-            attn = layer["attn"]
-            written = write_rows(buffer, latents(geometry, attn, x, positions, inv_freq), start)
-            q = queries(geometry, attn, x, positions, inv_freq)
-            return attend(geometry, attn, q, written, mask, positions, inv_freq), written
-
-        return attention
+    def attention(index: int, attn: dict, state: tuple):
+        ratio = spec.ratios[index]
+        if ratio == 0:
+            return window_attention(spec, attn, state, start, positions, mask, inv_freq)
+        return compressed_attention(spec, attn, state, ratio, start, positions, mask, prompt_first)
 
     streams = embedded_streams(geometry, model["embed_tokens"], tokens)
     new_kv, tapped = [], {}
-    for index, (layer, (buffer,)) in enumerate(zip(model["layers"], kv)):
+    for index, (layer, state) in enumerate(zip(model["layers"], kv)):
         hashed = tokens if index < spec.num_hash_layers else None
-        streams, buffer = block(geometry, layer, streams, self_attention(layer, buffer), hashed)
-        new_kv.append((buffer,))
+        streams, state = block(geometry, layer, streams, attention(index, layer["attn"], state), hashed)
+        new_kv.append(state)
         if index in taps:
             tapped[index] = tap(streams)
     features = concat_taps(tapped, taps)
     hidden = ops.rms_norm(mhc.head(model["hc_head"], streams, geometry.hyper), model["norm"]["weight"], spec.block.eps)
     return hidden, features, new_kv
+
+
+def prompt_forward(spec: DeepseekV4Spec, params: dict, kv: list, tokens, start, taps: tuple, first, end):
+    """``forward`` for a chunk of prompts that span positions ``first[b] .. end[b] - 1``."""
+    return forward(spec, params, kv, tokens, start, taps, pooling.prompt_overlap_start(first, end))
 
 
 def logits(spec: DeepseekV4Spec, params: dict, hidden: mx.array) -> mx.array:
@@ -132,5 +201,6 @@ def logits(spec: DeepseekV4Spec, params: dict, hidden: mx.array) -> mx.array:
 
 
 ADAPTER = TargetAdapter(
-    spec_from_config=spec_from_config, init_kv=init_kv, forward=forward, logits=logits, load_params=load_params
+    spec_from_config=spec_from_config, init_kv=init_kv, forward=forward, logits=logits, load_params=load_params,
+    prompt_forward=prompt_forward,
 )
