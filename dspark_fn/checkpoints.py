@@ -8,7 +8,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 import numpy as np
 
-from . import ops
+from . import microscaling, ops
 from .drafts import resolve_arch
 from .drafts.heads import DRAFT_VOCAB_KEY
 from .drafts.vocab import check_vocabulary, restrict_vocabulary
@@ -44,10 +44,11 @@ def load_target(directory) -> tuple:
     directory = Path(directory)
     config = read_config(directory, "target")
     mode = (config.get("quantization") or {}).get("mode", "affine")
-    if mode != "affine":
+    if mode not in ("affine", *ops.MICROSCALING.values()):
         raise ValueError(
-            f"target {directory} is quantized with mode {mode!r}; only MLX affine quantization runs here "
-            f"(mlx_lm.convert -q), or give a float checkpoint with --quant-target 4|8"
+            f"target {directory} is quantized with mode {mode!r}; the modes that run here are affine "
+            f"(mlx_lm.convert -q) and {', '.join(ops.MICROSCALING.values())}, or give a float checkpoint "
+            f"with --quant-target 4|8"
         )
     text = text_model_config(config)
     adapter = resolve_target(text)
@@ -102,13 +103,29 @@ def check_draft_fits(draft_spec, target_spec) -> None:
         raise ValueError("draft does not fit the target: " + "; ".join(problems))
 
 
+def stored_with_shape(weights: dict, key: str, shape: tuple) -> bool:
+    """Whether ``weights[key]`` holds a ``shape`` tensor: as is, or MLX-quantized
+    (packed words with ``scales`` companions) when it has them."""
+    prefix = key[: -len("weight")]
+    if not key.endswith(".weight") or prefix + "scales" not in weights:
+        return tuple(weights[key].shape) == shape
+    stored = {name: weights[prefix + name] for name in ("weight", "scales", "biases") if prefix + name in weights}
+    try:
+        ops.quantization(stored, shape[-1])
+    except ValueError:
+        return False
+    return tuple(stored["weight"].shape[:-1]) == shape[:-1]
+
+
 def draft_params_from_weights(arch, spec, weights: dict, target_params: dict, target_spec) -> dict:
     """Validate checkpoint keys and shapes, map to the tree, and share the
     target's embedding and head (in whatever form the target stores them:
     dense or quantized) where the checkpoint has no copy of its own."""
     expected = arch.checkpoint_shapes(spec)
+    quantized = {key[: -len("scales")] for key in weights if key.endswith(".scales")}
+    companions = {prefix + name for prefix in quantized for name in ("scales", "biases")}
     missing = sorted(set(expected) - set(weights) - set(SHARED_WITH_TARGET))
-    unexpected = sorted(set(weights) - set(expected))
+    unexpected = sorted(set(weights) - set(expected) - companions)
     if missing or unexpected:
         raise ValueError(
             f"draft checkpoint keys do not match a {spec.model_type} DSpark draft of this config: "
@@ -118,7 +135,7 @@ def draft_params_from_weights(arch, spec, weights: dict, target_params: dict, ta
     wrong = [
         f"{key} {tuple(weights[key].shape)} (expected {tuple(shape)})"
         for key, shape in expected.items()
-        if key in weights and tuple(weights[key].shape) != tuple(shape)
+        if key in weights and not stored_with_shape(weights, key, tuple(shape))
     ]
     if wrong:
         raise ValueError("draft checkpoint tensors have wrong shapes: " + "; ".join(wrong[:8]))
@@ -140,10 +157,17 @@ def load_draft(directory, target_spec, target_params: dict) -> tuple:
     directory = Path(directory)
     config = read_config(directory, "draft")
     arch = resolve_arch(config)
+    weights = read_safetensors(directory, "draft")
+    if arch.is_draft_key is not None:
+        weights = {key: value for key, value in weights.items() if arch.is_draft_key(key)}
+    if arch.complete_config is not None:
+        config = arch.complete_config(config, weights.keys())
     spec = arch.spec_from_config(config)
     check_draft_family(config, target_spec)
     check_draft_fits(spec, target_spec)
-    weights = read_safetensors(directory, "draft")
+    if microscaling.scaled_weights(weights):
+        block = (config.get("quantization_config") or {}).get("weight_block_size", [128])[0]
+        weights = microscaling.to_mlx(weights, block)
     # Half-precision checkpoints (bf16 releases, the fp16 default draft) run in
     # float32, like the targets: the fast dtype on CPU, one dtype per graph.
     weights = {key: value.astype(mx.float32) if value.dtype in (mx.float16, mx.bfloat16) else value
@@ -188,8 +212,7 @@ def mlx_lm_model(config: dict, target_params: dict):
         if not hasattr(module, "to_quantized") or f"{path}.scales" not in flat:
             return False
         stored = {name: flat[f"{path}.{name}"] for name in ("weight", "scales", "biases") if f"{path}.{name}" in flat}
-        group, bits = ops.quantization(stored, module.weight.shape[-1])
-        return {"group_size": group, "bits": bits}
+        return ops.quantization(stored, module.weight.shape[-1]).kwargs()
 
     nn.quantize(model, class_predicate=stored_quantization)
     model.update(tree_unflatten(list(flat.items())))

@@ -61,16 +61,21 @@ def route(gate: dict, x: mx.array, config: MoEConfig, token_ids: mx.array):
     return experts, weights * config.routed_scaling
 
 
-def _expert_matmul(x: mx.array, weight: mx.array, experts: mx.array) -> mx.array:
-    """``x [..., k, 1, in] @ weight[experts]^T`` without gathering whole weight tensors."""
-    return mx.gather_mm(x, weight.swapaxes(-1, -2), rhs_indices=experts)
+def _expert_matmul(x: mx.array, p: dict, experts: mx.array) -> mx.array:
+    """``x [..., k, 1, in] @ W[experts]^T`` for stacked expert weights ``[E, out, in]``
+    (dense or MLX-quantized), without gathering whole weight tensors."""
+    if "scales" not in p:
+        return mx.gather_mm(x, p["weight"].swapaxes(-1, -2), rhs_indices=experts)
+    quant = ops.quantization(p, x.shape[-1])
+    return mx.gather_qmm(x, p["weight"], p["scales"], p.get("biases"), rhs_indices=experts, transpose=True,
+                         **quant.kwargs())
 
 
 def routed_experts(p: dict, x: mx.array, experts: mx.array, weights: mx.array, limit: float) -> mx.array:
     rows = x[..., None, None, :]
-    gate = _expert_matmul(rows, p["gate_proj"]["weight"], experts)
-    up = _expert_matmul(rows, p["up_proj"]["weight"], experts)
-    out = _expert_matmul(clamped_swiglu(gate, up, limit), p["down_proj"]["weight"], experts)
+    gate = _expert_matmul(rows, p["gate_proj"], experts)
+    up = _expert_matmul(rows, p["up_proj"], experts)
+    out = _expert_matmul(clamped_swiglu(gate, up, limit), p["down_proj"], experts)
     return (out[..., 0, :] * weights[..., None].astype(out.dtype)).sum(axis=-2)
 
 

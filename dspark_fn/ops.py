@@ -5,34 +5,52 @@ so each op takes the sub-tree it needs and the activations.
 """
 
 import math
+from typing import NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
 
 
 QUANT_BITS = (2, 3, 4, 5, 6, 8)
+# Microscaling modes: power-of-two uint8 scales, no biases; (group, bits) -> mode.
+MICROSCALING = {(32, 8): "mxfp8", (32, 4): "mxfp4", (16, 4): "nvfp4"}
 
 
-def quantization(p: dict, columns: int) -> tuple[int, int]:
-    """``(group_size, bits)`` of an MLX affine-quantized weight whose rows hold
-    ``columns`` values: packed width and scale count follow from both, so a
-    quantized tree needs no side metadata (any group size, mixed layouts)."""
+class Quantization(NamedTuple):
+    group_size: int
+    bits: int
+    mode: str
+
+    def kwargs(self) -> dict:
+        return {"group_size": self.group_size, "bits": self.bits, "mode": self.mode}
+
+
+def quantization(p: dict, columns: int) -> Quantization:
+    """How an MLX-quantized weight whose rows hold ``columns`` values is
+    stored: packed width and scale count give bits and group size, and
+    float scales with biases mean affine, uint8 scales without biases a
+    microscaling float format (mxfp8, mxfp4, nvfp4). A quantized tree needs
+    no side metadata (any group size, mixed layouts)."""
     packed, groups = p["weight"].shape[-1], p["scales"].shape[-1]
     bits, odd_bits = divmod(packed * 32, columns)
     group, odd_group = divmod(columns, groups)
-    if odd_bits or odd_group or bits not in QUANT_BITS or "biases" not in p:
-        raise ValueError(
-            f"a weight packed as {tuple(p['weight'].shape)} with {groups} scales per row is not an MLX "
-            f"affine quantization of {columns} columns (supported: bits {QUANT_BITS}, any group size)"
-        )
-    return group, bits
+    if not (odd_bits or odd_group):
+        if "biases" in p and bits in QUANT_BITS:
+            return Quantization(group, bits, "affine")
+        if "biases" not in p and p["scales"].dtype == mx.uint8 and (group, bits) in MICROSCALING:
+            return Quantization(group, bits, MICROSCALING[group, bits])
+    raise ValueError(
+        f"a weight packed as {tuple(p['weight'].shape)} with {groups} scales per row is not an MLX "
+        f"quantization of {columns} columns (supported: affine with bits {QUANT_BITS} and any group size; "
+        f"{', '.join(f'{mode} (group {g}, {b} bits)' for (g, b), mode in MICROSCALING.items())})"
+    )
 
 
 def linear(p: dict, x: mx.array) -> mx.array:
-    """``x @ W.T (+ b)`` for a dense or an affine-quantized weight."""
+    """``x @ W.T (+ b)`` for a dense or an MLX-quantized weight."""
     if "scales" in p:
-        group, bits = quantization(p, x.shape[-1])
-        y = mx.quantized_matmul(x, p["weight"], p["scales"], p["biases"], transpose=True, group_size=group, bits=bits)
+        quant = quantization(p, x.shape[-1])
+        y = mx.quantized_matmul(x, p["weight"], p["scales"], p.get("biases"), transpose=True, **quant.kwargs())
     else:
         y = x @ p["weight"].T
     if "bias" in p:
@@ -40,11 +58,22 @@ def linear(p: dict, x: mx.array) -> mx.array:
     return y
 
 
+def grouped_linear(p: dict, x: mx.array) -> mx.array:
+    """``x [..., G, L, in] @ W[g].T`` per group for ``W [G, out, in]`` (dense or MLX-quantized)."""
+    if "scales" not in p:
+        return x @ p["weight"].swapaxes(-1, -2)
+    groups = mx.broadcast_to(mx.arange(p["weight"].shape[0]), x.shape[:-2])
+    quant = quantization(p, x.shape[-1])
+    return mx.gather_qmm(x, p["weight"], p["scales"], p.get("biases"), rhs_indices=groups, transpose=True,
+                         **quant.kwargs())
+
+
 def embed(p: dict, ids: mx.array, dim: int) -> mx.array:
-    """Rows ``ids`` of a dense or an affine-quantized ``[V, dim]`` table."""
+    """Rows ``ids`` of a dense or an MLX-quantized ``[V, dim]`` table."""
     if "scales" in p:
-        group, bits = quantization(p, dim)
-        return mx.dequantize(p["weight"][ids], p["scales"][ids], p["biases"][ids], group_size=group, bits=bits)
+        quant = quantization(p, dim)
+        biases = p["biases"][ids] if "biases" in p else None
+        return mx.dequantize(p["weight"][ids], p["scales"][ids], biases, **quant.kwargs())
     return p["weight"][ids]
 
 

@@ -62,6 +62,11 @@ class DraftArch:
         confidence head
     prepare_params(spec, tree) -> tree       optional last loading step for layouts a
                                              per-key map cannot reach (stacking experts)
+    is_draft_key(key) -> bool                optional: which tensors of the directory are
+                                             the draft's, for drafts that ship inside their
+                                             target's checkpoint (default: all of them)
+    complete_config(config, keys) -> config  optional: facts a release's config leaves to
+                                             its checkpoint (V4-DSpark's stage count)
     """
 
     spec_from_config: Callable
@@ -71,3 +76,5 @@ class DraftArch:
     block_forward: Callable
     key_map: Callable = lambda key: key
     prepare_params: Callable | None = None
+    is_draft_key: Callable | None = None
+    complete_config: Callable | None = None

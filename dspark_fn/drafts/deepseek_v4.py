@@ -28,10 +28,11 @@ code (as quoted by its ports) rather than mlx-vlm:
 Loading: a V4-DSpark checkpoint's own ``config.json`` (``model_type``
 ``deepseek_v4`` with ``dspark_block_size``, ``dspark_noise_token_id``,
 ``dspark_target_layer_ids``, ``dspark_markov_rank``; the stage count is
-``num_nextn_predict_layers``) in a directory whose safetensors hold only the
-float ``mtp.*`` tensors; point ``load_draft``/``load`` at that directory. The
-embedding and output head come from the target. FP8/FP4-quantized tensors
-(with ``.scale`` companions) must be dequantized first.
+the number of ``mtp.{i}`` stages stored, which the released configs'
+``num_nextn_predict_layers`` understates). The draft is the ``mtp.*`` tensors of the
+directory, so the released checkpoint is both target and draft directory.
+FP8/FP4 tensors (with ``.scale`` companions) stay quantized
+(``microscaling.py``). The embedding and output head come from the target.
 """
 
 import re
@@ -78,7 +79,7 @@ def spec_from_config(config: dict) -> DeepseekV4DraftSpec:
     fields.update(confidence_head=True, confidence_with_markov=True, confidence_bias=False)
     return DeepseekV4DraftSpec(
         **fields,
-        num_stages=args["num_nextn_predict_layers"],
+        num_stages=config.get("n_mtp_layers", args["num_nextn_predict_layers"]),
         block=family.block_spec(args),
         window=args["sliding_window"],
         q_lora_rank=args["q_lora_rank"],
@@ -171,12 +172,14 @@ def prepare_params(spec: DeepseekV4DraftSpec, params: dict) -> dict:
     stages = []
     for stage in params["stages"]:
         ffn = {key: value for key, value in stage["ffn"].items() if key != "experts"}
+        experts = stage["ffn"]["experts"]
         ffn["switch_mlp"] = {
-            name: {"weight": mx.stack([expert[name]["weight"] for expert in stage["ffn"]["experts"]])}
+            name: {part: mx.stack([expert[name][part] for expert in experts]) for part in experts[0][name]}
             for name in EXPERT_PROJECTIONS.values()
         }
-        wo_a = stage["attn"]["wo_a"]["weight"]
-        attn = {**stage["attn"], "wo_a": {"weight": wo_a.reshape(spec.block.groups, -1, wo_a.shape[-1])}}
+        wo_a = {part: value.reshape(spec.block.groups, -1, value.shape[-1])
+                for part, value in stage["attn"]["wo_a"].items()}
+        attn = {**stage["attn"], "wo_a": wo_a}
         stages.append({**stage, "ffn": ffn, "attn": attn})
     return {**params, "stages": stages}
 
@@ -226,6 +229,19 @@ def block_forward(spec: DeepseekV4DraftSpec, params: dict, state: list, length, 
     return ops.linear(params["lm_head"], hidden), head_hidden
 
 
+def is_draft_key(key: str) -> bool:
+    """The draft's tensors in a whole V4-DSpark checkpoint: its ``mtp.*`` stages."""
+    return key.startswith("mtp.")
+
+
+def complete_config(config: dict, keys) -> dict:
+    """The stage count from the checkpoint: the released configs keep a legacy
+    ``num_nextn_predict_layers`` of 1 beside three ``mtp.*`` stages."""
+    stages = {int(match[1]) for key in keys if (match := re.match(r"mtp\.(\d+)\.", key))}
+    return {**config, "n_mtp_layers": len(stages)} if stages else config
+
+
 ARCH = DraftArch(spec_from_config=spec_from_config, checkpoint_shapes=checkpoint_shapes, init_context=init_context,
                  extend_context=extend_context, block_forward=block_forward, key_map=key_map,
-                 prepare_params=prepare_params)
+                 prepare_params=prepare_params, is_draft_key=is_draft_key,
+                 complete_config=complete_config)

@@ -114,7 +114,7 @@ def grouped_output(spec: BlockSpec, attn: dict, out: mx.array) -> mx.array:
     groups = spec.groups
     per_group = out.reshape(batch, groups, heads // groups, length, dim).transpose(0, 1, 3, 2, 4)
     per_group = per_group.reshape(batch, groups, length, -1)
-    low_rank = per_group @ attn["wo_a"]["weight"].swapaxes(-1, -2)  # [B, G, L, R]
+    low_rank = ops.grouped_linear(attn["wo_a"], per_group)  # [B, G, L, R]
     return ops.linear(attn["wo_b"], low_rank.transpose(0, 2, 1, 3).reshape(batch, length, -1))
 
 

@@ -4,6 +4,8 @@ An adapter is one module exposing ``ADAPTER``; registering a family is one
 line in the registry below. The round kernel only ever calls the adapter.
 """
 
+import mlx.core as mx
+
 from ..registry import TEXT_FAMILY, Registry, family_of
 from . import deepseek_v4, gemma4, llama
 from .base import TargetAdapter
@@ -45,9 +47,13 @@ def target_module(target_params: dict, key: str) -> dict:
 
 
 def activation_dtype(target_params: dict):
-    """The dtype a target computes in: its embedding's (its scales' when quantized)."""
+    """The dtype a target computes in: its embedding's (its scales' when
+    affine-quantized; bfloat16 for microscaling formats, whose scales are
+    exponents)."""
     embedding = target_module(target_params, "embed_tokens.weight")
-    return embedding["scales" if "scales" in embedding else "weight"].dtype
+    if "scales" not in embedding:
+        return embedding["weight"].dtype
+    return embedding["scales"].dtype if "biases" in embedding else mx.bfloat16
 
 
 def register_target(model_type: str, adapter: TargetAdapter) -> None:

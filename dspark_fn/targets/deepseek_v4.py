@@ -23,7 +23,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .. import mhc, ops
+from .. import mhc, microscaling, ops
 from ..cache import causal_mask, positions_from, write_rows
 from ..layers import deepseek_v4_pooling as pooling
 from ..layers.deepseek_v4 import (
@@ -84,11 +84,30 @@ def spec_from_config(config: dict) -> DeepseekV4Spec:
 
 
 def load_params(directory) -> dict:
-    """The ``language_model`` tree through mlx-vlm's loader, which knows the checkpoint layout."""
+    """The ``language_model`` tree of a checkpoint directory.
+
+    A release (official tensor names, FP8/FP4 with ``.scale`` companions)
+    is read here: its quantized projections stay quantized as MLX mxfp8 /
+    mxfp4 (``microscaling.py``), the ``mtp.*`` draft stages are left out,
+    and mlx-vlm's ``sanitize`` maps the names. A checkpoint mlx-vlm wrote
+    (``language_model.*`` keys) goes through mlx-vlm's own loader.
+    """
+    from mlx_vlm.models.deepseek_v4.config import ModelConfig
+    from mlx_vlm.models.deepseek_v4.language import LanguageModel
     from mlx_vlm.utils import load_model
 
-    model = load_model(Path(directory), lazy=False)
-    return tree_unflatten(tree_flatten(model.language_model.parameters()))
+    from ..checkpoints import read_config, read_safetensors
+
+    directory = Path(directory)
+    weights = {key: value for key, value in read_safetensors(directory, "target").items() if not key.startswith("mtp.")}
+    if any(key.startswith("language_model.") for key in weights):
+        return tree_unflatten(tree_flatten(load_model(directory, lazy=False).language_model.parameters()))
+    config = read_config(directory, "target")
+    if microscaling.scaled_weights(weights):
+        block = (config.get("quantization_config") or {}).get("weight_block_size", [128])[0]
+        weights = microscaling.to_mlx(weights, block)
+    language = LanguageModel(ModelConfig.from_dict(config))  # its arrays stay lazy: only its names are used
+    return tree_unflatten(list(language.sanitize(weights).items()))
 
 
 def init_kv(spec: DeepseekV4Spec, batch: int, capacity: int, dtype=mx.float32) -> list:
