@@ -50,7 +50,7 @@ def _round_plan(policy: VerifyPolicy, proposal: Proposal | None, active: np.ndar
     ``fresh`` rows joined after the proposal was drafted: they verify none of it."""
     if proposal is None:
         return 1, np.zeros(len(active), np.int32), None
-    confidences = 1 / (1 + np.exp(-np.array(proposal.confidence_logits)))
+    confidences = 0.5 * (1 + np.tanh(0.5 * np.array(proposal.confidence_logits)))  # the sigmoid, without overflow
     confidences[fresh] = 0.0
     width, limits = policy.plan(confidences, active)
     limits[fresh] = 0

@@ -43,6 +43,12 @@ ALIASES = {
         "google/gemma-4-12B-it", "deepseek-ai/dspark_gemma4_12b_block7",
         "Gemma 4 12B instruct + DeepSeek DSpark draft (text model; vision and audio towers not loaded)", 30.8, 29.0,
     ),
+    # One repository holds both: 48 shards, 166.9 GB, the draft's mtp.* stages
+    # in the last three (10.9 GB); FP8/FP4 stay quantized in memory.
+    "deepseek-v4-flash": ModelPair(
+        "deepseek-ai/DeepSeek-V4-Flash-DSpark", "deepseek-ai/DeepSeek-V4-Flash-DSpark",
+        "DeepSeek-V4-Flash (284B MoE, 13B active) with its built-in DSpark stages", 166.9, 160.0,
+    ),
 }
 
 
