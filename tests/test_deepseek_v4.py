@@ -20,6 +20,7 @@ import dspark_fn
 from dspark_fn import ops
 from dspark_fn.checkpoints import save_draft
 from dspark_fn.drafts import deepseek_v4 as draft_v4
+from dspark_fn.rounds import TRACE_COUNTS
 from dspark_fn.targets import deepseek_v4 as target_v4
 from numerics import assert_fp32_close
 
@@ -394,7 +395,10 @@ def test_compressed_generate_equals_mlx_vlm_greedy_for_300_tokens(compressed):
     rng = np.random.default_rng(6)
     prompts = [rng.integers(0, NOISE, 40).tolist(), rng.integers(0, NOISE, 57).tolist()]
     streams = [[], []]
+    before = TRACE_COUNTS.copy()
     for event in dspark_fn.generate(compressed.params, prompts, 300, width=None):
         streams[event.row] += event.emitted
+    # at most one draft and one verify trace per capacity bucket (256, then 512) over ~150 rounds
+    assert all(TRACE_COUNTS[kind] - before[kind] <= 2 for kind in ("draft", "verify"))
     for prompt, stream in zip(prompts, streams):
         assert stream == vlm_greedy(compressed.target, prompt, 300)
