@@ -256,3 +256,17 @@ def check_draft_context_cache(params, tensors, meta):
             close(keys[0, :, :length], expected_k[layer], f"round {r} layer {layer} keys", budget)
             close(values[0, :, :length], expected_v[layer], f"round {r} layer {layer} values", budget)
         cache, _ = dspark_fn.verify_block(params, cache, block)
+
+
+class TargetRunner:
+    """A target adapter's pure forward over fixed buffers, one call per step: logits of one row."""
+
+    def __init__(self, adapter, spec, params, capacity=128):
+        self.adapter, self.spec, self.params = adapter, spec, params
+        self.kv = adapter.init_kv(spec, 1, capacity)
+
+    def __call__(self, tokens: list, start: int) -> np.ndarray:
+        hidden, _, self.kv = self.adapter.forward(
+            self.spec, self.params, self.kv, mx.array([tokens]), mx.array([start]), ()
+        )
+        return np.array(self.adapter.logits(self.spec, self.params, hidden)[0])

@@ -8,7 +8,15 @@ import dspark_fn
 from dspark_fn.checkpoints import load_target
 from dspark_fn.targets import resolve_target
 from numerics import assert_fp32_close
-from helpers import build_draft, build_target, draft_config, mlx_lm_greedy, random_prompt, speculative_tokens
+from helpers import (
+    TargetRunner,
+    build_draft,
+    build_target,
+    draft_config,
+    mlx_lm_greedy,
+    random_prompt,
+    speculative_tokens,
+)
 
 pytestmark = pytest.mark.numerics  # rerun on the bundled BLAS by .ci/run
 
@@ -80,20 +88,6 @@ def close(actual, expected, what):
     assert_fp32_close(actual, expected, what, layers=len(LAYER_TYPES), reduction=4 * 64)
 
 
-class Runner:
-    """Drives the adapter's pure forward over fixed buffers, one call per step."""
-
-    def __init__(self, adapter, spec, params, capacity=128):
-        self.adapter, self.spec, self.params = adapter, spec, params
-        self.kv = adapter.init_kv(spec, 1, capacity)
-
-    def __call__(self, tokens: list, start: int) -> np.ndarray:
-        hidden, _, self.kv = self.adapter.forward(
-            self.spec, self.params, self.kv, mx.array([tokens]), mx.array([start]), ()
-        )
-        return np.array(self.adapter.logits(self.spec, self.params, hidden)[0])
-
-
 def test_prefill_and_decode_match_mlx_lm_cache(target):
     """Prompt longer than the sliding window, then single-token steps, both
     against mlx-lm with the cache it builds for this model (rotating for
@@ -102,7 +96,7 @@ def test_prefill_and_decode_match_mlx_lm_cache(target):
     rng = np.random.default_rng(0)
     prompt = random_prompt(rng, 44, config["vocab_size"])
     cache = model.make_cache()
-    ours = Runner(adapter, spec, params)
+    ours = TargetRunner(adapter, spec, params)
     close(ours(prompt, 0), reference_logits(model, prompt, cache), "prefill logits")
     sequence = list(prompt)
     for step in range(6):
@@ -119,7 +113,7 @@ def test_rollback_matches_uncached_forward(target):
     rng = np.random.default_rng(1)
     vocab = config["vocab_size"]
     committed = random_prompt(rng, 41, vocab)
-    ours = Runner(adapter, spec, params)
+    ours = TargetRunner(adapter, spec, params)
     ours(committed, 0)
     for kept in (2, 0, 5):
         block = random_prompt(rng, 5, vocab)
@@ -135,9 +129,9 @@ def test_window_changes_the_result(target):
     if config["sliding_window"] >= 64:
         pytest.skip("window longer than the sequence")
     prompt = random_prompt(np.random.default_rng(2), 44, config["vocab_size"])
-    windowed = Runner(adapter, spec, params)(prompt, 0)
+    windowed = TargetRunner(adapter, spec, params)(prompt, 0)
     unwindowed_spec = adapter.spec_from_config(dict(config, sliding_window=4096))
-    unwindowed = Runner(adapter, unwindowed_spec, params)(prompt, 0)
+    unwindowed = TargetRunner(adapter, unwindowed_spec, params)(prompt, 0)
     assert np.abs(windowed[-1] - unwindowed[-1]).max() > 1e-2
 
 
@@ -162,7 +156,7 @@ def test_scaled_proportional_rope_matches_mlx_lm(tmp_path):
     model = build_target(tmp_path, config, seed=2, gain=1.0)
     adapter, spec, params, _ = load_target(tmp_path)
     prompt = random_prompt(np.random.default_rng(4), 30, config["vocab_size"])
-    close(Runner(adapter, spec, params)(prompt, 0), reference_logits(model, prompt), "logits")
+    close(TargetRunner(adapter, spec, params)(prompt, 0), reference_logits(model, prompt), "logits")
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,7 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from dspark_fn.checkpoints import load_target
-from helpers import build_target, random_prompt, target_config
+from helpers import TargetRunner, build_target, random_prompt, target_config
 from numerics import assert_fp32_close
 
 pytestmark = pytest.mark.numerics
@@ -33,26 +33,12 @@ def close(actual, expected, what, config):
     assert_fp32_close(actual, expected, what, layers=config["num_hidden_layers"], reduction=128)
 
 
-class Runner:
-    """Our pure forward over fixed buffers, one call per step."""
-
-    def __init__(self, adapter, spec, params, capacity=128):
-        self.adapter, self.spec, self.params = adapter, spec, params
-        self.kv = adapter.init_kv(spec, 1, capacity)
-
-    def __call__(self, tokens: list, start: int) -> np.ndarray:
-        hidden, _, self.kv = self.adapter.forward(
-            self.spec, self.params, self.kv, mx.array([tokens]), mx.array([start]), ()
-        )
-        return np.array(self.adapter.logits(self.spec, self.params, hidden)[0])
-
-
 def test_prefill_and_decode_match_mlx_lm(target):
     config, model, adapter, spec, params = target
     rng = np.random.default_rng(0)
     prompt = random_prompt(rng, 37, config["vocab_size"])
     cache = make_prompt_cache(model)
-    ours = Runner(adapter, spec, params)
+    ours = TargetRunner(adapter, spec, params)
     close(ours(prompt, 0), np.array(model(mx.array([prompt]), cache=cache)[0]), "prefill logits", config)
     length = len(prompt)
     for step in range(5):
@@ -67,7 +53,7 @@ def test_rollback_matches_an_uncached_forward(target):
     config, model, adapter, spec, params = target
     rng = np.random.default_rng(1)
     committed = random_prompt(rng, 20, config["vocab_size"])
-    ours = Runner(adapter, spec, params)
+    ours = TargetRunner(adapter, spec, params)
     ours(committed, 0)
     for kept in (3, 0, 5):
         block = random_prompt(rng, 6, config["vocab_size"])

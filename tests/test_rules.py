@@ -132,9 +132,20 @@ def test_proportional_rope_leaves_the_tail_unrotated():
     assert np.allclose(inv_freq, [1.0, 100 ** -0.25, 0.0, 0.0])
 
 
-@pytest.mark.parametrize("bits, group", [(4, 32), (8, 64), (4, 128)])
-def test_quantization_is_read_from_the_packed_shapes(bits, group):
-    weight, scales, biases = mx.quantize(mx.random.normal((8, 256)), group_size=group, bits=bits)
-    assert ops.quantization({"weight": weight, "scales": scales, "biases": biases}, 256) == (group, bits)
-    with pytest.raises(ValueError, match="not an MLX affine quantization"):
-        ops.quantization({"weight": weight, "scales": scales, "biases": biases}, 100)
+@pytest.mark.parametrize("bits, group, mode", [(4, 32, "affine"), (8, 64, "affine"), (4, 128, "affine"),
+                                               (8, 32, "mxfp8"), (4, 32, "mxfp4"), (4, 16, "nvfp4")])
+def test_quantization_is_read_from_the_packed_shapes(bits, group, mode):
+    w = mx.random.normal((8, 256))
+    p = dict(zip(("weight", "scales", "biases"), mx.quantize(w, group_size=group, bits=bits, mode=mode)))
+    assert ops.quantization(p, 256) == (group, bits, mode)
+    x = mx.random.normal((3, 256))
+    dense = x @ mx.dequantize(p["weight"], p["scales"], p.get("biases"), group_size=group, bits=bits, mode=mode).T
+    assert mx.allclose(ops.linear(p, x), dense, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="not an MLX quantization of 100 columns"):
+        ops.quantization(p, 100)
+
+
+def test_affine_scales_without_biases_are_refused():
+    weight, scales, _ = mx.quantize(mx.random.normal((8, 256)), group_size=64, bits=4)
+    with pytest.raises(ValueError, match="not an MLX quantization"):
+        ops.quantization({"weight": weight, "scales": scales}, 256)
