@@ -7,7 +7,7 @@ Every layer kind runs: sliding-window layers (``compress_ratios`` entry 0)
 and compressed layers (ratio 128, and ratio 4 with its sparse indexer; see
 ``layers/deepseek_v4_pooling.py`` for the pooled rows and their rollback).
 Compressed layers rotate at ``compress_rope_theta`` with the config's rope
-scaling. Quantized (FP8 / FP4) weights must be dequantized first.
+scaling. Released FP8 / FP4 weights stay quantized (``load_params``).
 
 Taps are the plain mean over the hyper-connection streams of the tapped
 blocks' outputs, as in the reference and mlx-vlm; the last block may be
