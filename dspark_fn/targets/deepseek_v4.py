@@ -149,8 +149,9 @@ def window_attention(spec: DeepseekV4Spec, attn: dict, state: tuple, start, posi
 
 def compressed_attention(spec: DeepseekV4Spec, attn: dict, state: tuple, ratio: int, start, positions, mask,
                          prompt_first):
-    """A compressed layer's attention: ``x -> (y, state)``; ratio 4 attends to
-    the indexer's top-k pooled rows per query, other ratios to all of them."""
+    """A compressed layer's attention: ``x -> (y, state)``; with an indexer
+    (ratio 4) each query attends to its top-k pooled rows, without (ratio 128)
+    to all of them."""
     geometry, inv_freq = spec.block, rope_inv_freq(spec.block, dict(spec.compress_rope))
     capacity = state[0].shape[2]
     count = capacity // ratio  # pooled slots any position can see
@@ -165,10 +166,9 @@ def compressed_attention(spec: DeepseekV4Spec, attn: dict, state: tuple, ratio: 
         q = query_heads(geometry, attn, residual, positions, inv_freq)
         main = pool(attn["compressor"], state[1:4], x)
         pooled = main[2][:, :, :count]
-        if ratio != 4:
-            keys = mx.concatenate([written, pooled], axis=2)
-            return attend(geometry, attn, q, keys, mx.concatenate([mask, visible], -1), positions, inv_freq), (
-                written, *main)
+        if "indexer" not in attn:
+            keys, keys_mask = mx.concatenate([written, pooled], axis=2), mx.concatenate([mask, visible], axis=-1)
+            return attend(geometry, attn, q, keys, keys_mask, positions, inv_freq), (written, *main)
         index = pool(attn["indexer"]["compressor"], state[4:7], x)
         chosen = pooling.top_windows(attn["indexer"], x, residual, index[2][:, :, :count], visible, positions,
                                      inv_freq, spec.index_heads, spec.index_topk)
