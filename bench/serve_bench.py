@@ -123,12 +123,14 @@ def main() -> None:
             "mlx_lm.server": lambda port, extra=(): [python, "-m", "mlx_lm.server", "--model", str(target),
                                                      "--port", str(port)],
         }
+        # mlx_lm.server lists the hub cache under /v1/models; its loaded model answers to "default_model"
+        models = {"dspark serve": None, "mlx_lm.server": "default_model"}
         rows = {}
         for name, command in engines.items():
             port = free_port()
             server = start(command(port), port)
             client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
-            model = client.models.list().data[0].id
+            model = models[name] or client.models.list().data[0].id
             stream_chat(client, model, [{"role": "user", "content": "warm up"}])
             rows[name] = {clients: load_run(client, model, prompts, clients) for clients in CLIENTS}
             rows[name]["conversation"] = conversation_ttft(client, model, prompts[REQUESTS:])
