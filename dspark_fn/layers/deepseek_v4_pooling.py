@@ -92,14 +92,13 @@ def compress(pool: dict, state: tuple, x: mx.array, start: mx.array, prompt_firs
     raw_kv = write_rows(raw_kv, ops.linear(pool["wkv"], x)[:, None], start)
     raw_gate = write_rows(raw_gate, ops.linear(pool["wgate"], x)[:, None], start)
     windows = touched_windows(start, length, ratio)
-    kv, gate = window_rows(raw_kv, windows, ratio), window_rows(raw_gate, windows, ratio)
     if raw_kv.shape[-1] == pooled.shape[-1]:
-        values = gated_sum(kv, gate, pool["ape"])
-    else:
+        values = gated_sum(window_rows(raw_kv, windows, ratio), window_rows(raw_gate, windows, ratio), pool["ape"])
+    else:  # one gather from the window before the first: each window's predecessor is its neighbour
+        spanned = mx.concatenate([windows[:, :1] - 1, windows], axis=1)
+        kv, gate = window_rows(raw_kv, spanned, ratio), window_rows(raw_gate, spanned, ratio)
         overlaps = mx.zeros(windows.shape, mx.bool_) if prompt_first is None else windows * ratio > prompt_first[:, None]
-        previous = windows - 1
-        values = overlapped_sum(kv, gate, window_rows(raw_kv, previous, ratio), window_rows(raw_gate, previous, ratio),
-                                pool["ape"], overlaps)
+        values = overlapped_sum(kv[:, 1:], gate[:, 1:], kv[:, :-1], gate[:, :-1], pool["ape"], overlaps)
     values = ops.rms_norm(values, pool["norm"]["weight"], eps)
     values = rotate_tail(values[:, None], windows * ratio, inv_freq)
     slots = mx.broadcast_to(windows[:, None, :, None], values.shape)
