@@ -1,6 +1,7 @@
 """The driver: rows that enter and leave a batch between rounds (``Decoder``)
 and the generation loop over it (``generate``), one host synchronisation a round."""
 
+import dataclasses
 from typing import Iterator, Sequence
 
 import mlx.core as mx
@@ -17,6 +18,7 @@ from .rounds import (
     init_cache,
     insert,
     no_proposal,
+    place_rows,
     prefill,
     prefill_slots,
     propose,
@@ -44,6 +46,12 @@ def _initial_capacity(rows: list, max_new_tokens: int, widest: int, capacity: in
         )
 
 
+def _gathered(array: mx.array, index: mx.array, batch: int) -> mx.array:
+    """Rows ``index`` of ``array`` first, then zero rows up to ``batch``."""
+    padding = mx.zeros((batch - index.size, *array.shape[1:]), array.dtype)
+    return mx.concatenate([array[index], padding]) if index.size else padding
+
+
 def _round_plan(policy: VerifyPolicy, proposal: Proposal | None, active: np.ndarray, fresh: np.ndarray):
     """Verify width, per-row proposal lengths and the draft confidences
     ``[B, G]`` (None without a draft: the round is a plain target step).
@@ -69,9 +77,11 @@ class Decoder:
                  confidence_threshold: float = 0.0, costs: CostCurve | None = None, seed: int = 0,
                  cost_sampling=GREEDY):
         self.params = params
-        self.policy = verify_policy(
-            params, width, batch, sampling=cost_sampling, confidence_threshold=confidence_threshold, costs=costs
+        self._policy_options = dict(
+            width=width, sampling=cost_sampling, confidence_threshold=confidence_threshold, costs=costs
         )
+        self.policies = {batch: verify_policy(params, batch_size=batch, **self._policy_options)}
+        self.policy = self.policies[batch]
         self.growing = capacity is None
         self.cache = init_cache(params, batch, capacity or capacity_for(1), seed)
         self.gate = self.policy.gate()
@@ -135,6 +145,35 @@ class Decoder:
         self.active[row] = False
         self.committed[row] = 0
         self.cache = self.cache._replace(length=mx.where(mx.arange(self.batch) == row, 0, self.cache.length))
+
+    def resize(self, batch: int) -> dict[int, int]:
+        """Move the active rows, in order, to the front of a batch of ``batch``
+        rows, the rest free; returns old row -> new row. Kernels and cost
+        curves are per batch size, so a server runs only as many rows as it
+        has requests (each size compiles once)."""
+        live = np.flatnonzero(self.active)
+        if len(live) > batch:
+            raise ValueError(f"{len(live)} active rows do not fit in a batch of {batch}")
+        if batch not in self.policies:
+            self.policies[batch] = verify_policy(self.params, batch_size=batch, **self._policy_options)
+        self.policy = self.policies[batch]
+        if self.gate is not None:  # what it measured of the draft holds at any batch size; the costs do not
+            self.gate = dataclasses.replace(self.gate, costs=self.policy.costs)
+        index = mx.array(live.tolist(), mx.int32)
+        cache = init_cache(self.params, batch, self.cache.capacity)
+        if len(live):
+            part = Cache(*(tree_map(lambda a: a[index], field) for field in self.cache))
+            cache = place_rows(cache, range(len(live)), part)
+        self.cache = cache
+        self.tokens = _gathered(self.tokens, index, batch)
+        if self.proposal is not None:
+            self.proposal = Proposal(*(_gathered(a, index, batch) for a in self.proposal))
+        pad = batch - len(live)
+        self.sampling = [self.sampling[r] for r in live] + [GREEDY] * pad
+        self.active = np.concatenate([self.active[live], np.zeros(pad, bool)])
+        self.fresh = np.concatenate([self.fresh[live], np.zeros(pad, bool)])
+        self.committed = np.concatenate([self.committed[live], np.zeros(pad, int)])
+        return {int(old): new for new, old in enumerate(live)}
 
     def row_cache(self, row: int) -> Cache:
         """Row ``row`` as a one-row cache (e.g. to keep a conversation's prefix)."""

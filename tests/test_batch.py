@@ -168,3 +168,51 @@ def test_cli_batch_json_rows_equal_the_library(pair_dir, pair, prompts, tmp_path
     batch = json.loads(result.stdout)["batch"]
     events = dspark_fn.generate(params, prompts[:2], 12, width="auto", sampling=Sampling(1.0, top_k=5), seed=3)
     assert [row["tokens"] for row in batch] == rows_of(events, 2)
+
+
+def same_round(a, b) -> bool:
+    return (a.emitted, a.accepted, a.drafted, a.width) == (b.emitted, b.accepted, b.drafted, b.width)
+
+
+@pytest.mark.parametrize("width, pair_name", [(None, "accepted_pair"), ("auto", "accepted_pair"), ("auto", "pair")])
+def test_a_resized_batch_goes_on_as_if_never_resized(request, prompts, width, pair_name):
+    """Rows moved into a smaller, then a larger batch draft, accept and emit
+    exactly what they would have in place (the pending proposal and the
+    gate's measurements move with them: with a poor draft the gate has
+    stopped drafting and stays stopped); a sequence inserted after the
+    resize decodes the target's greedy stream."""
+    model, params = request.getfixturevalue(pair_name)
+    costs = CostCurve(0.05, {1: 1.0, 2: 1.02, 3: 1.04, 4: 1.06, 5: 1.08})
+
+    def started():
+        decoder = dspark_fn.Decoder(params, 4, width=width, costs=costs)
+        decoder.insert([0, 1, 2], prompts[:3])
+        return decoder
+
+    steady, moving = started(), started()
+    for _ in range(3):
+        assert same_round(steady.step(), moving.step())
+    for decoder in (steady, moving):
+        decoder.release(0)
+        decoder.release(2)
+    assert moving.resize(1) == {1: 0}
+    for _ in range(3):
+        kept, moved = steady.step(), moving.step()
+        assert (kept.rows, moved.rows) == ([1], [0]) and same_round(kept, moved)
+    assert moving.resize(2) == {0: 0}
+    first = steady.insert([3], [prompts[3]])
+    assert moving.insert([1], [prompts[3]]) == first
+    joined = list(first)
+    for _ in range(4):
+        kept, moved = steady.step(), moving.step()
+        assert (kept.rows, moved.rows) == ([1, 3], [0, 1]) and same_round(kept, moved)
+        joined += moved.emitted[1]
+    assert joined == mlx_lm_greedy(model, prompts[3], len(joined))
+
+
+def test_resize_refuses_to_drop_active_rows(pair, prompts):
+    _, params = pair
+    decoder = dspark_fn.Decoder(params, 4, width=None)
+    decoder.insert([0, 3], prompts[:2])
+    with pytest.raises(ValueError, match="2 active rows do not fit in a batch of 1"):
+        decoder.resize(1)

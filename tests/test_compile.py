@@ -78,3 +78,21 @@ def test_auto_traces_each_width_at_most_once(params):
     new = traces_during(run)
     assert new.get("draft", 0) <= 1 and 1 <= new.get("verify", 0) <= BLOCK + 1
     assert traces_during(run) == {}
+
+
+def test_each_batch_size_traces_once(params):
+    """A decoder resized between batch sizes (a server following its load)
+    compiles a draft and a verify kernel per size, and nothing on a return."""
+    prompts = [random_prompt(np.random.default_rng(5), n, 192) for n in (7, 30)]
+    decoder = dspark_fn.Decoder(params, 3, width=None, capacity=512)
+
+    def visit(batch):
+        decoder.resize(batch)
+        for _ in range(4):
+            decoder.step()
+
+    # the round after an insert verifies no drafts: widths 1 and 5
+    new = traces_during(lambda: (decoder.insert([0, 1], prompts), decoder.step(), decoder.step()))
+    assert new == {"prefill": 1, "draft": 1, "verify": 2}
+    assert traces_during(lambda: (visit(6), visit(5))) == {"draft": 2, "verify": 2}
+    assert traces_during(lambda: (visit(3), visit(6), visit(5))) == {}

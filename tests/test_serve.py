@@ -143,7 +143,10 @@ def test_stream_carries_the_same_text(client, library):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
 
 
-def test_concurrent_requests_each_equal_their_run_alone(client, library):
+def test_concurrent_requests_each_equal_their_run_alone(server, client, library):
+    """Six requests on a server of four rows: the batch grows to four while
+    they run, each reply equals its run alone, and once they are done the
+    batch shrinks: a request that then runs alone runs in a batch of one."""
     texts = ["hello", "lazy dog jumps", "def add(a, b)", "brown fox", "world world", "quick"]
     replies = [None] * len(texts)
 
@@ -153,9 +156,19 @@ def test_concurrent_requests_each_equal_their_run_alone(client, library):
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(texts))]
     for t in threads:
         t.start()
+    batches = set()
+    while any(t.is_alive() for t in threads):
+        batches.add(get_json(server[0] + "/health")["batch"])
     for t in threads:
         t.join()
     assert replies == [reference_text(library, t, 30) for t in texts]
+    assert max(batches) == 4
+    alone = threading.Thread(target=ask, args=(0,))
+    alone.start()
+    batches = set()
+    while alone.is_alive():
+        batches.add(get_json(server[0] + "/health")["batch"])
+    assert batches == {1}
 
 
 def test_text_completions_and_usage(client, library):

@@ -1,11 +1,13 @@
 """Continuous batching: requests join a running batch between rounds and leave when done.
 
-One thread owns the model and a ``Decoder`` of ``max_batch`` rows. Between
-rounds it inserts waiting requests into free rows (their prompt prefilled
-alone, reusing a cached conversation prefix when one matches) and frees the
-rows of finished or cancelled requests; every round advances all active
-rows at once. Each row keeps its own sampling settings and seed. Requests
-talk to the thread through queues only, so the web server never touches MLX.
+One thread owns the model and a ``Decoder``. Between rounds it sizes the
+batch to the requests at hand (a power of two up to ``max_batch``: one
+client runs a batch of one), inserts waiting requests into free rows (their
+prompt prefilled alone, reusing a cached conversation prefix when one
+matches) and frees the rows of finished or cancelled requests; every round
+advances all active rows at once. Each row keeps its own sampling settings
+and seed. Requests talk to the thread through queues only, so the web
+server never touches MLX.
 """
 
 import queue
@@ -101,13 +103,19 @@ class PromptCache:
         return cache._replace(length=mx.array([best_length], mx.int32))
 
 
+def running_batch(requests: int, max_batch: int) -> int:
+    """Rows to run for ``requests`` sequences: the power of two that holds
+    them, at most ``max_batch`` (few sizes, each compiled once)."""
+    return min(max_batch, 1 << max(requests - 1, 0).bit_length())
+
+
 class Engine:
     """The decoding thread. ``submit`` queues a request; ``close`` cancels
     what is in flight and stops the thread."""
 
     def __init__(self, params: Params, max_batch: int = 8, max_context: int = 4096,
                  prompt_cache_bytes: int = 1 << 30, **decoder_options):
-        self.params, self.max_context = params, max_context
+        self.params, self.max_context, self.max_batch = params, max_context, max_batch
         self.prompt_cache = PromptCache(prompt_cache_bytes)
         self.waiting: deque = deque()
         self.rows: dict = {}  # row -> (request, every token in the row: prompt + generated)
@@ -118,7 +126,7 @@ class Engine:
         mx.eval(params.target, params.draft)
         self.decoder, started = None, threading.Event()
         self.thread = threading.Thread(
-            target=self._run, args=(max_batch, decoder_options, started), name="dspark-engine", daemon=True
+            target=self._run, args=(decoder_options, started), name="dspark-engine", daemon=True
         )
         self.thread.start()
         started.wait()
@@ -154,6 +162,7 @@ class Engine:
     def stats(self) -> dict:
         return {
             "active": len(self.rows),
+            "batch": self.decoder.batch,
             "waiting": len(self.waiting),
             "prompt_cache": {"entries": len(self.prompt_cache.entries), "bytes": self.prompt_cache.used,
                              "hits": self.prompt_cache.hits, "misses": self.prompt_cache.misses},
@@ -161,16 +170,21 @@ class Engine:
 
     # ---- the decoding thread
 
-    def _run(self, max_batch: int, decoder_options: dict, started: threading.Event) -> None:
+    def _run(self, decoder_options: dict, started: threading.Event) -> None:
         try:
-            self.decoder = Decoder(self.params, max_batch, **decoder_options)
+            self.decoder = Decoder(self.params, 1, **decoder_options)
+            for batch in sorted({running_batch(n, self.max_batch) for n in range(1, self.max_batch + 1)}):
+                self.decoder.resize(batch)  # each size's cost curve now, not in the middle of a request
+            self.decoder.resize(1)
         finally:
             started.set()
         try:
             while self._wait_for_work():
+                self._fit_batch()
                 self._admit()
                 if self.rows:
                     self._round()
+                    self._fit_batch()  # rows that left: the next round, or the idle wait, runs smaller
         except Exception as error:  # a failure ends every request with its message, never silently
             for request in [r for r, _ in self.rows.values()] + list(self.waiting):
                 request.events.put(("error", f"{type(error).__name__}: {error}"))
@@ -184,6 +198,13 @@ class Engine:
             while not self.stopping and not self.waiting and not self.rows:
                 self.wake.wait()
             return not self.stopping
+
+    def _fit_batch(self) -> None:
+        """Grow the batch for waiting requests, shrink it when rows have left."""
+        wanted = running_batch(len(self.rows) + len(self.waiting), self.max_batch)
+        if wanted != self.decoder.batch:
+            moved = self.decoder.resize(wanted)
+            self.rows = {moved[row]: entry for row, entry in self.rows.items()}
 
     def _admit(self) -> None:
         free = [row for row in range(self.decoder.batch) if row not in self.rows]
