@@ -20,7 +20,6 @@ from .rounds import (
     no_proposal,
     place_rows,
     prefill,
-    prefill_slots,
     propose,
 )
 from .sampling import GREEDY, Sampling, batch_sampling
@@ -103,15 +102,10 @@ class Decoder:
                 raise ValueError(f"{slots} positions exceed the fixed cache capacity {self.cache.capacity}")
             self.cache = grow_cache(self.params, self.cache, capacity_for(slots))
 
-    def room_for_prompt(self, length: int) -> None:
-        if self.growing:  # a fixed cache: prefill checks the fit itself
-            self.ensure_capacity(max(prefill_slots(length), length + self.policy.max_width))
-
     def start(self, prompts: list, sampling=GREEDY) -> list[int]:
         """Prefill every row at once (batched); returns each row's first token."""
         settings = [sampling] * self.batch if isinstance(sampling, Sampling) else list(sampling)
-        self.room_for_prompt(max(len(p) for p in prompts))
-        self.cache, self.tokens = prefill(self.params, self.cache, prompts, sampling=settings)
+        self.cache, self.tokens = prefill(self.params, self.cache, prompts, sampling=settings, grow=self.growing)
         self.sampling, self.active[:], self.fresh[:] = settings, True, False
         self.committed = np.array([len(p) for p in prompts])
         self.proposal = self._next_proposal()
@@ -123,11 +117,8 @@ class Decoder:
         """New sequences in the free rows ``rows`` between rounds (prefilled
         together); returns their first tokens. ``prefix``: see ``insert``."""
         settings = [sampling] * len(rows) if isinstance(sampling, Sampling) else list(sampling)
-        self.room_for_prompt(max(map(len, prompts)))
-        if prefix is not None and prefix.capacity < self.cache.capacity:
-            prefix = grow_cache(self.params, prefix, self.cache.capacity)
         self.cache, tokens = insert(
-            self.params, self.cache, rows, prompts, sampling=settings, seeds=seeds, prefix=prefix
+            self.params, self.cache, rows, prompts, sampling=settings, seeds=seeds, prefix=prefix, grow=self.growing
         )
         self.tokens[mx.array(list(rows))] = tokens
         for row, prompt, setting in zip(rows, prompts, settings):

@@ -27,7 +27,8 @@ from .sampling import GREEDY, Mode, RowSampling, batch_sampling, choose, log_pro
 from .targets import activation_dtype
 from .types import PairSpec, Params, Proposal, Round
 
-PREFILL_CHUNK = 64
+PREFILL_CHUNK = 64  # the smallest chunk: a prompt pads to a multiple of it
+LONG_PREFILL_CHUNK = 256  # long stretches of a prompt go in these (bigger matmuls run faster)
 CAPACITY_BUCKET = 256
 
 # Incremented in the Python body of each compiled kernel, i.e. once per trace.
@@ -339,7 +340,19 @@ def _distinct_rows(rows: list[list[int]], starts: np.ndarray) -> tuple[list[int]
     return [source.index(i) for i in range(len(first_seen))], source
 
 
-def prefill(params: Params, cache: Cache, prompt, *, sampling=GREEDY, chunk_size: int | None = None):
+def chunk_spans(length: int, sizes: tuple) -> list[tuple[int, int]]:
+    """``(begin, size)`` of each chunk covering ``length`` (a multiple of the
+    smallest size): the largest size that still fits first."""
+    spans, begin = [], 0
+    while begin < length:
+        size = next(size for size in sizes if begin + size <= length)
+        spans.append((begin, size))
+        begin += size
+    return spans
+
+
+def prefill(params: Params, cache: Cache, prompt, *, sampling=GREEDY, chunk_size: int | None = None,
+            grow: bool = False):
     """Run the prompt(s) through the target in fixed chunks and extend the draft context.
 
     ``prompt`` is a token list, a list of token lists (one per batch row, any
@@ -348,8 +361,13 @@ def prefill(params: Params, cache: Cache, prompt, *, sampling=GREEDY, chunk_size
     ``(cache, tokens)``: the first generated token of each row (argmax, or a
     draw under the row's ``sampling``), the first anchor. Rows that start
     together with the same tokens (n samples of one prompt) are run once and
-    their cache rows copied. Chunks hold ``PREFILL_CHUNK`` tokens, or the
-    capacity when that is smaller.
+    their cache rows copied. Chunks hold ``LONG_PREFILL_CHUNK`` tokens while
+    that many remain, then ``PREFILL_CHUNK`` (``chunk_size``: all of that
+    size), never more than the capacity. With ``grow`` the cache grows in
+    ``capacity_for`` buckets as the chunks advance, so each chunk attends
+    over the bucket its own end needs, not the whole prompt's (a long
+    prompt compiles one chunk kernel per bucket it passes); without, the
+    prompt must fit the cache.
     """
     rows = as_rows(prompt)
     if len(rows) != cache.batch_size:
@@ -357,17 +375,18 @@ def prefill(params: Params, cache: Cache, prompt, *, sampling=GREEDY, chunk_size
     vocab = params.spec.target.vocab_size
     if any(not 0 <= t < vocab for r in rows for t in r):
         raise ValueError(f"prompt token ids must be in 0..{vocab - 1}")
-    chunk_size = chunk_size or min(PREFILL_CHUNK, cache.capacity)
+    sizes = (chunk_size,) if chunk_size else (LONG_PREFILL_CHUNK, PREFILL_CHUNK)
+    sizes = tuple(min(size, cache.capacity) for size in sizes)
     starts = np.array(cache.length)
-    padded_length = math.ceil(max(len(r) for r in rows) / chunk_size) * chunk_size
-    if (starts + padded_length).max() > cache.capacity:
+    padded_length = math.ceil(max(len(r) for r in rows) / sizes[-1]) * sizes[-1]
+    if not grow and (starts + padded_length).max() > cache.capacity:
         longest = int((starts + np.array([len(r) for r in rows])).max())
         raise ValueError(
             f"prompt of {longest} tokens does not fit the cache capacity {cache.capacity} "
             f"(prefill pads to {int(starts.max()) + padded_length}); allocate a larger cache or shorten the prompt"
         )
     running, source = _distinct_rows(rows, starts)
-    state = (cache.target, cache.draft)
+    state = cache
     if len(running) < len(rows):  # every cache array is batch-major
         state = tree_map(lambda a: a[mx.array(running)], state)
     offsets = mx.array(starts[running], mx.int32)
@@ -375,18 +394,22 @@ def prefill(params: Params, cache: Cache, prompt, *, sampling=GREEDY, chunk_size
     last_rows = offsets + mx.array([len(rows[i]) - 1 for i in running], mx.int32)
     kernel = _prefill_kernel(params.spec)
     last_logits = mx.zeros((len(running), vocab), mx.float32)
-    for begin in range(0, padded_length, chunk_size):
-        chunk = padded[:, begin : begin + chunk_size]
-        state, last_logits = kernel(
-            params.target, params.draft, state, chunk, offsets + begin, offsets, last_rows, last_logits
+    for begin, size in chunk_spans(padded_length, sizes):
+        if grow:
+            state = grow_cache(params, state, capacity_for(int(starts.max()) + begin + size))
+        chunk = padded[:, begin : begin + size]
+        (target, draft), last_logits = kernel(
+            params.target, params.draft, (state.target, state.draft), chunk, offsets + begin, offsets, last_rows,
+            last_logits,
         )
+        state = state._replace(target=target, draft=draft)
     if len(running) < len(rows):
         index = mx.array(source)
         state, last_logits = tree_map(lambda a: a[index], (state, last_logits))
     lengths = mx.array(starts + np.array([len(r) for r in rows]), mx.int32)
     sampled_rows, mode = batch_sampling(sampling, len(rows))
     draws = uniforms(cache.seeds, lengths, noise.PREFILL, (vocab,)) if mode.sampled else None
-    return Cache(state[0], state[1], lengths, cache.seeds), choose(last_logits, sampled_rows, mode, draws)
+    return state._replace(length=lengths, seeds=cache.seeds), choose(last_logits, sampled_rows, mode, draws)
 
 
 def place_rows(cache: Cache, rows: Sequence[int], part: Cache) -> Cache:
@@ -402,20 +425,25 @@ def place_rows(cache: Cache, rows: Sequence[int], part: Cache) -> Cache:
 
 
 def insert(params: Params, cache: Cache, rows: Sequence[int], prompts, *, sampling=GREEDY, seeds: Sequence[int] = (),
-           prefix: Cache | None = None):
+           prefix: Cache | None = None, grow: bool = False):
     """Prefill new prompts into rows ``rows`` of a running batch, together in
     one batch of their own; the other rows are untouched. Row ``rows[i]``
-    draws with seed ``seeds[i]`` (default 0). ``prefix`` (a one-row cache of
-    this capacity holding the first ``prefix.length`` tokens of a single
-    prompt, e.g. a cached conversation) is reused: only the rest runs.
-    Returns ``(cache, first tokens)``."""
+    draws with seed ``seeds[i]`` (default 0). ``prefix`` (a one-row cache
+    holding the first ``prefix.length`` tokens of a single prompt, e.g. a
+    cached conversation) is reused: only the rest runs. With ``grow`` the
+    new rows prefill in a cache of their own size (see ``prefill``) and the
+    batch grows if they need more room; without, they must fit the batch's
+    capacity. Returns ``(cache, first tokens)``."""
     prompts = [list(p) for p in prompts]
     seeds = list(seeds) or [0] * len(rows)
-    part = prefix if prefix is not None else init_cache(params, len(rows), cache.capacity)
+    part = prefix if prefix is not None else init_cache(params, len(rows), capacity_for(1) if grow else cache.capacity)
+    if not grow:
+        part = grow_cache(params, part, cache.capacity)
     part = part._replace(seeds=mx.concatenate([row_seeds(seed, 1) for seed in seeds]))
     starts = np.array(part.length)
-    part, tokens = prefill(params, part, [p[start:] for p, start in zip(prompts, starts)], sampling=sampling)
-    return place_rows(cache, rows, part), tokens
+    part, tokens = prefill(params, part, [p[start:] for p, start in zip(prompts, starts)], sampling=sampling, grow=grow)
+    capacity = max(cache.capacity, part.capacity)
+    return place_rows(grow_cache(params, cache, capacity), rows, grow_cache(params, part, capacity)), tokens
 
 
 def capacity_for(slots: int) -> int:

@@ -3,11 +3,13 @@
 import numpy as np
 import pytest
 
+from mlx.utils import tree_flatten
+
 import dspark_fn
-from dspark_fn.rounds import TRACE_COUNTS
+from dspark_fn.rounds import TRACE_COUNTS, capacity_for, init_cache, prefill
 from dspark_fn.schedule import CostCurve
-from dspark_fn.rounds import capacity_for
 from helpers import build_draft, build_target, draft_config, random_prompt, speculative_tokens, target_config
+from numerics import assert_fp32_close
 
 BLOCK = 4
 
@@ -96,3 +98,24 @@ def test_each_batch_size_traces_once(params):
     assert new == {"prefill": 1, "draft": 1, "verify": 2}
     assert traces_during(lambda: (visit(6), visit(5))) == {"draft": 2, "verify": 2}
     assert traces_during(lambda: (visit(3), visit(6), visit(5))) == {}
+
+
+def test_a_long_prompt_grows_the_cache_as_it_prefills(params):
+    """Prompts up to 600 tokens prefilled from a 256-slot cache: chunks of
+    256, 256, 64 and 64 tokens run in caches of 256, 512, 768 and 768 slots
+    (three chunk kernels; a batch of four, a shape no other test here uses),
+    and the result is the prefill into 768 slots from the start in 64-token
+    chunks: the same first tokens, the cache within the fp32 bound (4 target
+    layers and the draft layer; sums over 600 keys)."""
+    rng = np.random.default_rng(6)
+    prompts = [random_prompt(rng, n, 192) for n in (600, 5, 300, 599)]
+    grown = []
+    new = traces_during(lambda: grown.extend(prefill(params, init_cache(params, 4, 256), prompts, grow=True)))
+    assert new == {"prefill": 3}
+    whole, tokens = prefill(params, init_cache(params, 4, 768), prompts, chunk_size=64)
+    assert grown[0].capacity == 768 and grown[1].tolist() == tokens.tolist()
+    assert grown[0].length.tolist() == whole.length.tolist() == [600, 5, 300, 599]
+    for (name, a), (_, b) in zip(tree_flatten((grown[0].target, grown[0].draft)), tree_flatten((whole.target, whole.draft))):
+        assert_fp32_close(a, b, name, layers=5, reduction=600)
+    with pytest.raises(ValueError, match="does not fit the cache capacity 256"):
+        prefill(params, init_cache(params, 4, 256), prompts)

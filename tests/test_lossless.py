@@ -29,7 +29,7 @@ def pair(request, tmp_path_factory):
     return model, dspark_fn.load(root / "target", root / "draft"), config["vocab_size"]
 
 
-@pytest.mark.parametrize("prompt_length", [1, 13, 70])
+@pytest.mark.parametrize("prompt_length", [1, 13, 70, 600])
 def test_generate_equals_target_greedy(pair, prompt_length):
     model, params, vocab = pair
     prompt = random_prompt(np.random.default_rng(prompt_length), prompt_length, vocab)
