@@ -80,10 +80,9 @@ class Decoder:
             width=width, sampling=cost_sampling, confidence_threshold=confidence_threshold, costs=costs
         )
         self.policies = {batch: verify_policy(params, batch_size=batch, **self._policy_options)}
-        self.policy = self.policies[batch]
         self.growing = capacity is None
         self.cache = init_cache(params, batch, capacity or capacity_for(1), seed)
-        self.gate = self.policy.gate()
+        self.gate = self.policies[batch].gate()
         self.tokens = mx.zeros((batch,), mx.int32)
         self.sampling = [GREEDY] * batch
         self.active = np.zeros(batch, bool)
@@ -94,6 +93,11 @@ class Decoder:
     @property
     def batch(self) -> int:
         return len(self.active)
+
+    @property
+    def policy(self) -> VerifyPolicy:
+        """The policy of the running batch size (cost curves are per size)."""
+        return self.policies[self.batch]
 
     def ensure_capacity(self, slots: int) -> None:
         """Grow to hold ``slots`` positions (a fixed cache refuses to write past its end)."""
@@ -147,14 +151,12 @@ class Decoder:
             raise ValueError(f"{len(live)} active rows do not fit in a batch of {batch}")
         if batch not in self.policies:
             self.policies[batch] = verify_policy(self.params, batch_size=batch, **self._policy_options)
-        self.policy = self.policies[batch]
         if self.gate is not None:  # what it measured of the draft holds at any batch size; the costs do not
-            self.gate = dataclasses.replace(self.gate, costs=self.policy.costs)
+            self.gate = dataclasses.replace(self.gate, costs=self.policies[batch].costs)
         index = mx.array(live.tolist(), mx.int32)
         cache = init_cache(self.params, batch, self.cache.capacity)
         if len(live):
-            part = Cache(*(tree_map(lambda a: a[index], field) for field in self.cache))
-            cache = place_rows(cache, range(len(live)), part)
+            cache = place_rows(cache, range(len(live)), tree_map(lambda a: a[index], self.cache))
         self.cache = cache
         self.tokens = _gathered(self.tokens, index, batch)
         if self.proposal is not None:
@@ -168,7 +170,7 @@ class Decoder:
 
     def row_cache(self, row: int) -> Cache:
         """Row ``row`` as a one-row cache (e.g. to keep a conversation's prefix)."""
-        return Cache(*(tree_map(lambda a: a[row : row + 1], part) for part in self.cache))
+        return tree_map(lambda a: a[row : row + 1], self.cache)
 
     def _next_proposal(self):
         drafting = self.policy.max_width > 1 and (self.gate is None or self.gate.draft_next())
