@@ -202,10 +202,11 @@ def run_generate(args) -> int:
     return 0
 
 
-def progress(total: int, label: str):
+def progress(total: int, label: str, done: int = 0):
+    """A progress bar on stderr; ``done`` counts work finished before (a resumed stage), not in its rate."""
     from tqdm import tqdm
 
-    return tqdm(total=total, desc=label, file=sys.stderr, leave=False)
+    return tqdm(total=total, initial=done, desc=label, file=sys.stderr, leave=False)
 
 
 def prompt_set(args, tokenizer) -> list[list[int]]:
@@ -290,7 +291,7 @@ def run_train(args) -> int:
     config = TrainConfig(steps=args.steps, learning_rate=args.lr, sequences_per_step=args.batch,
                          checkpoint_every=args.checkpoint_every)
     distil(args.model, args.out, setup, config, resume=args.resume,
-           log=lambda line: print(line, file=sys.stderr, flush=True), progress=lambda total, label: progress(total, label))
+           log=lambda line: print(line, file=sys.stderr, flush=True), progress=progress)
     print(f"dspark: draft written to {args.out}/draft", file=sys.stderr)
     return 0
 

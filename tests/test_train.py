@@ -263,8 +263,12 @@ def test_resume_continues_from_the_saved_step(setup, tmp_path):
     out = tmp_path / "run"
     interrupted = trainer.train(arch, spec, params.draft, stream(setup), config, out, setup["config"])
     assert next(interrupted).step == 3  # stop after the first checkpoint
-    resumed = list(trainer.train(arch, spec, params.draft, stream(setup), config, out, setup["config"], resume=True))
+    assert trainer.saved_step(out) == 3 and trainer.saved_step(tmp_path / "none") == 0
+    followed = []
+    resumed = list(trainer.train(arch, spec, params.draft, stream(setup), config, out, setup["config"], resume=True,
+                                 on_step=followed.append))
     assert [p.step for p in resumed] == [6]
+    assert followed == [4, 5, 6]
     final, expected = dict(tree_flatten(resumed[-1].draft_params)), dict(tree_flatten(straight[-1].draft_params))
     for name, value in expected.items():
         np.testing.assert_allclose(np.array(final[name]), np.array(value), atol=1e-5, err_msg=name)
@@ -290,12 +294,38 @@ def test_distil_end_to_end_writes_a_draft_that_decodes_losslessly(tmp_path):
                                  max_new_tokens=48, sources=("bundled",), answer_batch=4, shard_rows=4, held_out=2,
                                  eval_new_tokens=24)
     config = trainer.TrainConfig(steps=4, checkpoint_every=4, anchors_per_sequence=4, sequences_per_step=2)
-    last = distill.distil(str(tmp_path / "target"), tmp_path / "run", setup, config, log=lambda line: None)
+    bars = {}
+
+    class Bar:  # records what each stage's progress bar was told
+        def __init__(self, total, label, done=0):
+            self.total, self.start, self.n, self.updates = total, done, done, []
+            bars[label] = self
+
+        def update(self, count):
+            self.n += count
+            self.updates.append(count)
+
+        def set_postfix(self, **_):
+            pass
+
+        def close(self):
+            pass
+
+    last = distill.distil(str(tmp_path / "target"), tmp_path / "run", setup, config, log=lambda line: None,
+                          progress=Bar)
     assert last.step == 4 and last.tau >= 1
+    assert bars["train steps"].updates == [1, 1, 1, 1]  # the training bar follows every step
     answers = answering.read_answers(tmp_path / "run" / "answers.jsonl")
     assert sum(len(a.answer) for a in answers) >= 600
-    again = distill.distil(str(tmp_path / "target"), tmp_path / "run", setup, config, resume=True, log=lambda line: None)
+    covered = bars["features"].n
+    bars.clear()
+    again = distill.distil(str(tmp_path / "target"), tmp_path / "run", setup, config, resume=True,
+                           log=lambda line: None, progress=Bar)
     assert again is None  # the checkpoint already holds every step
+    # resumed stages start their bars at the work already done, none redone
+    assert "answer tokens" not in bars
+    assert (bars["features"].start, bars["features"].updates) == (covered, [])
+    assert (bars["train steps"].start, bars["train steps"].updates) == (4, [])
     assert answering.read_answers(tmp_path / "run" / "answers.jsonl") == answers
     params, _, _ = load_named(str(tmp_path / "target"), str(tmp_path / "run" / "draft"), dtype=mx.float32)
     assert params.spec.draft.draft_vocab_size == 64

@@ -27,9 +27,9 @@ from ..types import PairSpec, Params
 from ..targets import resolve_target
 from .answers import answer_prompts, read_answers, single_stream_speed
 from .config import draft_config_for, initial_draft
-from .corpus import build_shards, shard_stream
+from .corpus import build_shards, read_index, shard_stream
 from .prompts import BUNDLED, Prompt, read_jsonl_prompts, training_prompts
-from .trainer import TrainConfig, held_out_tau, train
+from .trainer import TrainConfig, held_out_tau, saved_step, train
 
 ANSWERS_FILE = "answers.jsonl"
 FEATURES_DIR = "features"
@@ -79,7 +79,7 @@ def distil(target_source, out_dir, setup: DistilConfig, config: TrainConfig, res
            log: Callable[[str], None] = print, progress=None) -> object:
     """Train a DSpark draft for a target into ``out_dir/draft`` (DeepSpec
     layout), every stage resumable from what ``out_dir`` holds. ``progress``
-    (``tqdm``-like factory: ``progress(total, label)``) shows each stage with
+    (``tqdm``-like factory: ``progress(total, label, done)``) shows each stage with
     its ETA. Returns the last ``Progress``."""
     from ..evaluate import chat_tokens, stop_tokens
     from ..models import load_target_named
@@ -114,9 +114,7 @@ def distil(target_source, out_dir, setup: DistilConfig, config: TrainConfig, res
     have = sum(len(a.answer) for a in read_answers(out / ANSWERS_FILE))
     if have < setup.answer_tokens:
         log(f"answering: a single stream decodes {single_stream_speed(params, prompts[0][1], 32, stops):.1f} tokens/s")
-        bar = progress(setup.answer_tokens, "answer tokens") if progress else None
-        if bar is not None:
-            bar.update(have)
+        bar = progress(setup.answer_tokens, "answer tokens", have) if progress else None
         seen = [have]
 
         def on_answer(count, tokens):
@@ -133,7 +131,7 @@ def distil(target_source, out_dir, setup: DistilConfig, config: TrainConfig, res
     log(f"answers: {len(answers)}, {sum(len(a.answer) for a in answers)} tokens")
 
     # 3: features on disk
-    bar = progress(len(answers), "features") if progress else None
+    bar = progress(len(answers), "features", read_index(out / FEATURES_DIR)["answers"]) if progress else None
     index = build_shards(adapter, target_spec, target_params, spec.target_layer_ids, answers, out / FEATURES_DIR,
                          setup.max_prompt_tokens + setup.max_new_tokens,
                          on_shard=lambda done, total: bar.update(done - bar.n) if bar else None,
@@ -154,12 +152,12 @@ def distil(target_source, out_dir, setup: DistilConfig, config: TrainConfig, res
         return held_out_tau(params._replace(draft=draft_params), held_out, setup.eval_new_tokens, stops)
 
     shards = shard_stream(out / FEATURES_DIR, index, np.random.default_rng(config.seed))
-    bar = progress(config.steps, "train steps") if progress else None
+    start = saved_step(out / DRAFT_DIR) if resume else 0
+    bar = progress(config.steps, "train steps", start) if progress else None
+    on_step = (lambda done: bar.update(done - bar.n)) if bar is not None else None
     last = None
     for last in train(arch, spec, params.draft, shards, config, out / DRAFT_DIR, draft_config, resume, evaluate,
-                      getattr(mx, setup.save_dtype)):
-        if bar is not None:
-            bar.update(last.step - bar.n)
+                      getattr(mx, setup.save_dtype), on_step):
         parts = " ".join(f"{name} {value:.3f}" for name, value in last.parts.items())
         log(f"step {last.step}/{config.steps} loss {last.loss:.4f} ({parts}) "
             f"{last.steps_per_second:.2f} steps/s held-out tau {last.tau:.2f}")

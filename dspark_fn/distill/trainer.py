@@ -92,10 +92,16 @@ def save_checkpoint(directory, arch, spec, config: dict, trainable, frozen, opti
     return directory
 
 
+def saved_step(directory) -> int:
+    """The step of the checkpoint in ``directory`` (0 when there is none)."""
+    state = Path(directory) / STATE_FILE
+    return json.loads(state.read_text())["step"] if state.is_file() else 0
+
+
 def resume_state(directory, optimizer: optim.Optimizer, trainable: dict) -> tuple[dict, int]:
     """Weights, optimizer state and step of a checkpoint written by ``save_checkpoint``."""
     directory = Path(directory)
-    step = json.loads((directory / STATE_FILE).read_text())["step"]
+    step = saved_step(directory)
     weights = read_safetensors(directory, "draft checkpoint")
     loaded = tree_unflatten([(key, value) for key, value in weights.items() if key != DRAFT_VOCAB_KEY])
     trainable = tree_map(lambda old, new: new.astype(old.dtype), trainable, {k: loaded[k] for k in trainable})
@@ -133,12 +139,14 @@ def train(
     resume: bool = False,
     evaluate: Callable[[dict], float] | None = None,
     save_dtype=mx.float32,
+    on_step: Callable[[int], None] | None = None,
 ) -> Iterator[Progress]:
     """Train the draft on batches drawn from ``shards`` (``steps_per_shard``
     steps each), yielding a ``Progress`` every ``checkpoint_every`` steps and
     at the end, after saving a checkpoint to ``out_dir`` (when given) and
     scoring ``evaluate(draft_params) -> tau`` (when given). ``resume``
-    continues from the checkpoint in ``out_dir``."""
+    continues from the checkpoint in ``out_dir``; ``on_step(steps_done)``
+    follows every step."""
     trainable, frozen = split_frozen(draft_params)
     optimizer = make_optimizer(config)
     optimizer.init(trainable)
@@ -169,6 +177,8 @@ def train(
         mx.eval(trainable, loss, parts, optimizer.state)
         done_since += 1
         finished = step + 1
+        if on_step is not None:
+            on_step(finished)
         if finished % config.checkpoint_every == 0 or finished == config.steps:
             rate = done_since / (time.perf_counter() - tic)
             if out_dir is not None:
