@@ -7,9 +7,11 @@ comparisons side by side in one process.
     python bench/report.py speed       # default policy vs mlx-lm greedy on every bundled set
     python bench/report.py context     # default policy vs mlx-lm greedy after long prompts
     python bench/report.py precision   # target x draft precision: speedup, tau, memory
+    python bench/report.py drafts      # the bundled draft against the drafts in DRAFTS, every bundled set
 
 Environment: N (prompts per dataset, default 50), TOKENS (new tokens, default 128),
-SPEED_N (prompts for the speed comparison, default 10), REPEATS (default 3).
+SPEED_N (prompts for the speed comparison, default 10), REPEATS (default 3),
+DRAFTS (comma-separated draft directories for `drafts`, e.g. from `dspark train`).
 """
 
 import os
@@ -161,6 +163,26 @@ def precision() -> None:
                   f"{s['identical']} |", flush=True)
 
 
+def drafts() -> None:
+    """Each draft (the bundled one, then DRAFTS) against mlx-lm greedy on the
+    same target, default policy, every bundled set: the numbers that decide
+    whether a newly trained draft replaces the default."""
+    candidates = [None] + [d for d in os.environ.get("DRAFTS", "").split(",") if d]
+    pairs = {d or "bundled": load_named(None, d) for d in candidates}
+    _, tokenizer, config = pairs["bundled"]
+    model = mlx_lm_model(config, pairs["bundled"][0].target)
+    print(f"embedded target, default policy, greedy, {SPEED_N} prompts per dataset, {TOKENS} new tokens, "
+          f"medians of {REPEATS} repeats ({machine()})\n")
+    print("| dataset | draft | mlx-lm greedy tokens/s | dspark_fn tokens/s | speedup | tau | drafted rounds | identical |")
+    print("|---|---|---|---|---|---|---|---|")
+    for dataset in DATASETS:
+        prompts = [chat_tokens(tokenizer, text) for text in first_turns(dataset, SPEED_N)]
+        for name, (params, _, _) in pairs.items():
+            s = run_bench(params, model, prompts, TOKENS, stop_tokens(tokenizer), repeats=REPEATS).summary()
+            print(f"| {dataset} | {name} | {s['baseline_tokens_per_s']:.1f} | {s['dspark_tokens_per_s']:.1f} | "
+                  f"{s['speedup']:.2f}x | {s['tau']:.2f} | {s['drafted_share']:.0%} | {s['identical']} |", flush=True)
+
+
 def quant() -> None:
     params, tokenizer, _ = load_named()
     print(f"embedded default, gsm8k, {N} prompts, {TOKENS} new tokens, greedy ({machine()})\n")
@@ -173,7 +195,7 @@ def quant() -> None:
 
 if __name__ == "__main__":
     sections = {"core": core, "default": default, "quant": quant, "speed": speed, "context": context,
-                "precision": precision}
+                "precision": precision, "drafts": drafts}
     for name in sys.argv[1:] or sections:
         sections[name]()
         print()
