@@ -11,7 +11,8 @@ comparisons side by side in one process.
 
 Environment: N (prompts per dataset, default 50), TOKENS (new tokens, default 128),
 SPEED_N (prompts for the speed comparison, default 10), REPEATS (default 3),
-DRAFTS (comma-separated draft directories for `drafts`, e.g. from `dspark train`).
+DRAFTS (comma-separated draft directories for `drafts`, e.g. from `dspark train`),
+DATASETS (comma-separated bundled sets for `speed` and `drafts`, default all five).
 """
 
 import os
@@ -95,7 +96,7 @@ def default() -> None:
               f"{s['speedup']:.2f}x | {s['tau']:.2f} | {s['identical']} |", flush=True)
 
 
-DATASETS = ("gsm8k", "humaneval", "math500", "mbpp", "mt-bench")
+DATASETS = tuple(os.environ.get("DATASETS", "gsm8k,humaneval,math500,mbpp,mt-bench").split(","))
 
 
 def speed() -> None:
