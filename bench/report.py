@@ -4,15 +4,14 @@ comparisons side by side in one process.
     python bench/report.py core        # compiled vs eager round; dspark vs mlx-lm greedy (parity fixture)
     python bench/report.py default     # embedded SmolLM2 pair: tau per dataset, greedy and T=1; speedup
     python bench/report.py quant       # tau of the default draft: float vs 8-bit vs 4-bit
-    python bench/report.py speed       # default policy vs mlx-lm greedy on every bundled set
+    python bench/report.py speed       # default policy vs mlx-lm greedy on every bundled set (DRAFTS too)
     python bench/report.py context     # default policy vs mlx-lm greedy after long prompts
     python bench/report.py precision   # target x draft precision: speedup, tau, memory
-    python bench/report.py drafts      # the bundled draft against the drafts in DRAFTS, every bundled set
 
 Environment: N (prompts per dataset, default 50), TOKENS (new tokens, default 128),
 SPEED_N (prompts for the speed comparison, default 10), REPEATS (default 3),
-DRAFTS (comma-separated draft directories for `drafts`, e.g. from `dspark train`),
-DATASETS (comma-separated bundled sets for `speed` and `drafts`, default all five).
+DRAFTS (comma-separated draft directories that `speed` measures after the bundled one,
+e.g. from `dspark train`), DATASETS (comma-separated bundled sets for `speed`, default all five).
 """
 
 import os
@@ -99,22 +98,6 @@ def default() -> None:
 DATASETS = tuple(os.environ.get("DATASETS", "gsm8k,humaneval,math500,mbpp,mt-bench").split(","))
 
 
-def speed() -> None:
-    """Default settings (no flags) against mlx-lm greedy on the same weights:
-    every prompt through both engines in each repeat, medians of repeats."""
-    params, tokenizer, config = load_named()
-    model = mlx_lm_model(config, params.target)
-    print(f"embedded default, default policy, greedy, {SPEED_N} prompts per dataset, {TOKENS} new tokens, "
-          f"medians of {REPEATS} repeats ({machine()})\n")
-    print("| dataset | mlx-lm greedy tokens/s | dspark_fn tokens/s | speedup | tau | drafted rounds | identical |")
-    print("|---|---|---|---|---|---|---|")
-    for dataset in DATASETS:
-        prompts = [chat_tokens(tokenizer, text) for text in first_turns(dataset, SPEED_N)]
-        s = run_bench(params, model, prompts, TOKENS, stop_tokens(tokenizer), repeats=REPEATS).summary()
-        print(f"| {dataset} | {s['baseline_tokens_per_s']:.1f} | {s['dspark_tokens_per_s']:.1f} | "
-              f"{s['speedup']:.2f}x | {s['tau']:.2f} | {s['drafted_share']:.0%} | {s['identical']} |", flush=True)
-
-
 def long_prompt(tokenizer, length: int) -> list[int]:
     """A chat prompt of about ``length`` tokens: code from the humaneval set, then a request."""
     parts, text = first_turns("humaneval"), ""
@@ -164,10 +147,11 @@ def precision() -> None:
                   f"{s['identical']} |", flush=True)
 
 
-def drafts() -> None:
-    """Each draft (the bundled one, then DRAFTS) against mlx-lm greedy on the
-    same target, default policy, every bundled set: the numbers that decide
-    whether a newly trained draft replaces the default."""
+def speed() -> None:
+    """Default settings (no flags) against mlx-lm greedy on the same target,
+    every prompt through both engines in each repeat, medians of repeats; for
+    the bundled draft, then each draft in DRAFTS (the numbers that decide
+    whether a newly trained draft replaces the default)."""
     candidates = [None] + [d for d in os.environ.get("DRAFTS", "").split(",") if d]
     pairs = {d or "bundled": load_named(None, d) for d in candidates}
     _, tokenizer, config = pairs["bundled"]
@@ -196,7 +180,7 @@ def quant() -> None:
 
 if __name__ == "__main__":
     sections = {"core": core, "default": default, "quant": quant, "speed": speed, "context": context,
-                "precision": precision, "drafts": drafts}
+                "precision": precision}
     for name in sys.argv[1:] or sections:
         sections[name]()
         print()
