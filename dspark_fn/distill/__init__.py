@@ -115,13 +115,11 @@ def distil(target_source, out_dir, setup: DistilConfig, config: TrainConfig, res
     if have < setup.answer_tokens:
         log(f"answering: a single stream decodes {single_stream_speed(params, prompts[0][1], 32, stops):.1f} tokens/s")
         bar = progress(setup.answer_tokens, "answer tokens", have) if progress else None
-        seen = [have]
 
         def on_answer(count, tokens):
             if bar is not None:
-                bar.update(tokens - seen[0])
+                bar.update(tokens - bar.n)
                 bar.set_postfix(answers=count)
-            seen[0] = tokens
 
         answer_prompts(params, prompts, out / ANSWERS_FILE, setup.answer_tokens, setup.max_new_tokens, stops,
                        setup.answer_batch, on_answer)
