@@ -1,14 +1,23 @@
-"""The decode state as data: fixed-capacity KV buffers plus valid lengths.
+"""The decode state as data: fixed-capacity KV buffers plus valid lengths,
+and the states of recurrent layers.
 
 Slot ``j`` of every buffer holds absolute position ``j``. A write puts rows
 at ``start[b] ..`` of each batch row; rollback is just a smaller ``length``:
-stale slots are masked out and overwritten by the next write. Nothing here has
-a shape that depends on how many draft tokens were accepted.
+stale slots are masked out and overwritten by the next write.
+
+A recurrent layer (a convolution window, a delta-net or SSM state) has no
+slots: its cache entry is a dict of arrays holding the state after the
+committed positions. A forward over ``L`` tokens leaves it *pending*
+(``PendingWindow`` / ``PendingStates``: the state after each of the ``L``
+tokens), and ``settle`` keeps, row by row, the state after the first
+``count[b]`` of them, so rollback stays data here too. Nothing has a shape
+that depends on how many draft tokens were accepted.
 """
 
 from typing import Any, NamedTuple
 
 import mlx.core as mx
+from mlx.utils import tree_flatten, tree_map
 
 
 class Cache(NamedTuple):
@@ -31,7 +40,12 @@ class Cache(NamedTuple):
 
     @property
     def capacity(self) -> int:
-        return self.target[0][0].shape[2]
+        return slot_buffers((self.target, self.draft))[0].shape[2]
+
+    @property
+    def recurrent(self) -> bool:
+        """Whether any target layer keeps a recurrent state (reusable only at the length it was stored at)."""
+        return any(is_recurrent(entry) for entry in self.target)
 
     @property
     def batch_size(self) -> int:
@@ -84,3 +98,54 @@ def block_mask(length: mx.array, capacity: int, width: int, window: int | None =
     batch = length.shape[0]
     context = mx.broadcast_to(prefix_mask(length, capacity, window), (batch, 1, width, capacity))
     return mx.concatenate([context, mx.ones((batch, 1, width, width), mx.bool_)], axis=-1)
+
+
+def is_recurrent(entry) -> bool:
+    """A cache entry holding a recurrent layer's state (a dict) rather than slot buffers."""
+    return isinstance(entry, dict)
+
+
+def map_slots(fn, tree, *others):
+    """``tree_map`` over the slot buffers of cache trees (slots along axis 2);
+    recurrent entries have no slots and come through from ``tree`` as they are."""
+    return tree_map(lambda x, *rest: x if is_recurrent(x) else fn(x, *rest), tree, *others, is_leaf=is_recurrent)
+
+
+def slot_buffers(tree) -> list:
+    """The arrays of a cache tree that hold slots (every one but recurrent states)."""
+    return [x for _, x in tree_flatten(tree, is_leaf=is_recurrent) if not is_recurrent(x)]
+
+
+class PendingWindow(NamedTuple):
+    """A convolution window after a forward: the ``size`` previous inputs then the
+    call's ``L`` inputs, ``rows [B, size + L, C]``."""
+
+    rows: mx.array
+    size: int
+
+
+class PendingStates(NamedTuple):
+    """A recurrent state after a forward: ``history [B, L + 1, ...]``, the state
+    before the call and after each of its tokens."""
+
+    history: mx.array
+
+
+def settle_entry(entry, count: mx.array):
+    """The committed state of one pending entry after the first ``count [B]`` tokens of its call."""
+    if isinstance(entry, PendingWindow):
+        index = count[:, None] + mx.arange(entry.size)
+        return mx.take_along_axis(entry.rows, index[..., None], axis=1)
+    if isinstance(entry, PendingStates):
+        index = count.reshape(-1, *([1] * (entry.history.ndim - 1)))
+        return mx.take_along_axis(entry.history, index, axis=1)[:, 0]
+    return entry
+
+
+def settle(layers: list, count: mx.array) -> list:
+    """Per target layer: recurrent states settled after ``count [B]`` tokens of the last
+    forward (the accepted ones: this is a recurrent layer's rollback); slot buffers as they are."""
+    return [
+        {name: settle_entry(value, count) for name, value in entry.items()} if is_recurrent(entry) else entry
+        for entry in layers
+    ]

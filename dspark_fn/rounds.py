@@ -20,7 +20,7 @@ from mlx.utils import tree_map
 
 from . import noise
 from .accept import Accepted, accept
-from .cache import Cache
+from .cache import Cache, map_slots, settle
 from .drafts.heads import DRAFT_VOCAB_KEY, draft_chain
 from .noise import row_seeds, uniforms
 from .sampling import GREEDY, Mode, RowSampling, batch_sampling, choose, log_probs
@@ -57,13 +57,13 @@ def grow_cache(params: Params, cache: Cache, capacity: int) -> Cache:
         return cache
     fresh = init_cache(params, cache.batch_size, capacity)
 
-    def keep(larger: mx.array, state: mx.array) -> mx.array:
-        larger[:, :, : state.shape[2]] = state  # every buffer holds slots along axis 2
+    def keep(state: mx.array, larger: mx.array) -> mx.array:
+        larger[:, :, : state.shape[2]] = state
         return larger
 
     return Cache(
-        tree_map(keep, fresh.target, cache.target),
-        tree_map(keep, fresh.draft, cache.draft),
+        map_slots(keep, cache.target, fresh.target),
+        map_slots(keep, cache.draft, fresh.draft),
         cache.length,
         cache.seeds,
     )
@@ -124,7 +124,8 @@ def verify_and_commit(
     """Run the target on ``block = [anchor, drafts...]``, accept, and commit.
 
     Every row's K/V and draft context are written; the new ``length`` keeps
-    only the anchor and the accepted drafts, which is the whole rollback.
+    only the anchor and the accepted drafts, which is the whole rollback
+    (recurrent layers settle on the state after those same tokens).
     ``limit [B]`` caps each row's accepted drafts; ``active [B]`` rows that
     are False commit nothing.
     """
@@ -149,7 +150,7 @@ def verify_and_commit(
         spec.draft, params.draft, cache.draft, features, cache.length
     )
     committed = verdict.accepted + 1 if active is None else mx.where(active, verdict.accepted + 1, 0)
-    return Cache(target_kv, draft_state, cache.length + committed, cache.seeds), verdict
+    return Cache(settle(target_kv, committed), draft_state, cache.length + committed, cache.seeds), verdict
 
 
 @lru_cache(maxsize=None)

@@ -12,6 +12,7 @@ from safetensors.numpy import load_file
 from numerics import assert_fp32_close
 
 import dspark_fn
+from dspark_fn.cache import settle
 from dspark_fn.checkpoints import save_draft
 from dspark_fn.drafts import resolve_arch
 from dspark_fn.drafts.init import random_draft_weights
@@ -259,14 +260,20 @@ def check_draft_context_cache(params, tensors, meta):
 
 
 class TargetRunner:
-    """A target adapter's pure forward over fixed buffers, one call per step: logits of one row."""
+    """A target adapter's pure forward over fixed buffers, one call per step: logits of one row.
 
-    def __init__(self, adapter, spec, params, capacity=128):
-        self.adapter, self.spec, self.params = adapter, spec, params
+    ``kept`` (default: all of ``tokens``) is how many of the call's tokens are
+    committed: recurrent layers settle on the state after them, as a round does.
+    """
+
+    def __init__(self, adapter, spec, params, capacity=128, taps=()):
+        self.adapter, self.spec, self.params, self.taps = adapter, spec, params, taps
         self.kv = adapter.init_kv(spec, 1, capacity)
+        self.features = None
 
-    def __call__(self, tokens: list, start: int) -> np.ndarray:
-        hidden, _, self.kv = self.adapter.forward(
-            self.spec, self.params, self.kv, mx.array([tokens]), mx.array([start]), ()
+    def __call__(self, tokens: list, start: int, kept: int | None = None) -> np.ndarray:
+        hidden, self.features, kv = self.adapter.forward(
+            self.spec, self.params, self.kv, mx.array([tokens]), mx.array([start]), self.taps
         )
+        self.kv = settle(kv, mx.array([len(tokens) if kept is None else kept]))
         return np.array(self.adapter.logits(self.spec, self.params, hidden)[0])

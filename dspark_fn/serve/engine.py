@@ -16,9 +16,9 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 import mlx.core as mx
-from mlx.utils import tree_flatten, tree_map
+from mlx.utils import tree_flatten
 
-from ..cache import Cache
+from ..cache import Cache, map_slots
 from ..sampling import GREEDY, Sampling
 from ..driver import Decoder
 from ..rounds import capacity_for
@@ -57,14 +57,16 @@ def common_prefix(a: list, b: list) -> int:
 
 def shrink(cache: Cache, capacity: int) -> Cache:
     """A one-row cache cut to ``capacity`` slots (a stored prefix keeps only what it holds)."""
-    cut = lambda a: a[:, :, :capacity]  # noqa: E731  every buffer holds slots along axis 2
-    return Cache(tree_map(cut, cache.target), tree_map(cut, cache.draft), cache.length, cache.seeds)
+    cut = lambda a: a[:, :, :capacity]  # noqa: E731
+    return Cache(map_slots(cut, cache.target), map_slots(cut, cache.draft), cache.length, cache.seeds)
 
 
 class PromptCache:
     """Finished conversations' caches, least recently used evicted past
     ``budget_bytes``. A new prompt reuses the stored sequence sharing its
-    longest prefix (at least ``min_tokens``)."""
+    longest prefix (at least ``min_tokens``). A cache holding recurrent states
+    is reused only whole: its states are those after all its tokens, so it
+    matches only a prompt that starts with every one of them."""
 
     def __init__(self, budget_bytes: int, min_tokens: int = 16):
         self.budget, self.min_tokens = budget_bytes, min_tokens
@@ -90,8 +92,10 @@ class PromptCache:
         """The stored cache sharing the longest prefix with ``prompt``, its
         length cut to that prefix (and to leave at least one prompt token)."""
         best, best_length = None, 0
-        for tokens in self.entries:
+        for tokens, (cache, _) in self.entries.items():
             length = min(common_prefix(list(tokens), prompt), len(prompt) - 1)
+            if cache.recurrent and length != len(tokens):
+                continue
             if length > best_length:
                 best, best_length = tokens, length
         if best is None or best_length < self.min_tokens:

@@ -23,7 +23,12 @@ class TargetAdapter:
     prompt_forward(spec, params, kv, tokens, start, taps, first, end)
         optional: ``forward`` for prefill chunks of prompts spanning positions
         ``first[b] .. end[b] - 1``, for families whose state depends on how
-        the prompt was split into calls (DeepSeek-V4's pooled windows)
+        the prompt was split into calls (DeepSeek-V4's pooled windows) or
+        that must not advance over the chunk's padding (recurrent layers)
+
+    A family with recurrent layers keeps their state in ``kv`` as a dict per
+    layer (``cache.py``): ``forward`` leaves it pending (the round settles it
+    on the accepted tokens), ``prompt_forward`` committed after ``end``.
     """
 
     spec_from_config: Callable
@@ -42,3 +47,8 @@ def concat_taps(tapped: dict, taps: tuple):
 def output_head(params: dict, tied: bool) -> dict:
     """The module the target's logits come from: its embedding when tied."""
     return params["model"]["embed_tokens"] if tied else params["lm_head"]
+
+
+def prompt_rows(start: mx.array, end: mx.array, length: int) -> mx.array:
+    """``[B]`` rows of a prefill chunk at ``start`` that belong to prompts ending at ``end``."""
+    return mx.clip(end - start, 0, length)
