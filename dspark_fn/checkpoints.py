@@ -152,12 +152,26 @@ def draft_params_from_weights(arch, spec, weights: dict, target_params: dict, ta
     return params
 
 
+def renamed(weights: dict, rename) -> dict:
+    """``weights`` under the keys ``rename(key)``; two keys that become one are refused."""
+    result = {}
+    for key, value in weights.items():
+        name = rename(key)
+        if name in result:
+            raise ValueError(f"draft checkpoint holds {name!r} twice (also as {key!r})")
+        result[name] = value
+    return result
+
+
 def load_draft(directory, target_spec, target_params: dict) -> tuple:
-    """``(arch, spec, params)`` of a DeepSpec-format draft directory for this target."""
+    """``(arch, spec, params)`` of a draft directory (DeepSpec format or a
+    ``dflash_config`` layout) for this target."""
     directory = Path(directory)
     config = read_config(directory, "draft")
     arch = resolve_arch(config)
     weights = read_safetensors(directory, "draft")
+    if arch.checkpoint_key is not None:
+        weights = renamed(weights, arch.checkpoint_key)
     if arch.is_draft_key is not None:
         weights = {key: value for key, value in weights.items() if arch.is_draft_key(key)}
     if arch.complete_config is not None:
@@ -206,6 +220,8 @@ def mlx_lm_model(config: dict, target_params: dict):
 
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))
+    if "language_model" in model and "language_model" not in target_params:  # a release wrapping its text model
+        target_params = {"language_model": target_params}
     flat = dict(tree_flatten(target_params))
 
     def stored_quantization(path: str, module) -> dict | bool:

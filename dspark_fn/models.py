@@ -49,6 +49,42 @@ ALIASES = {
         "deepseek-ai/DeepSeek-V4-Flash-DSpark", "deepseek-ai/DeepSeek-V4-Flash-DSpark",
         "DeepSeek-V4-Flash (284B MoE, 13B active) with its built-in DSpark stages", 166.9, 160.0,
     ),
+    # Hybrid targets. Repository ids and draft configs: Liquid AI's LFM2.5
+    # DSpark announcement and the published draft configs as mlx-vlm's
+    # tests/test_models_dspark.py copies them; Qwen3.8: mlx-vlm PR #1998 and
+    # the same tests. The targets' file sizes are not known here: each is its
+    # parameter count x 2 bytes (bf16). The drafts hold no embedding or head
+    # (they share the target's); from their configs: 295.7M, 327.7M and 1.36B
+    # parameters in bf16 (RadixArk's file: 2,718,576,122 bytes). The 4k-token
+    # cache: the attention layers' bf16 K/V, the recurrent layers' fixed
+    # states and the draft's context K/V; 0.09 GB for LFM2.5 (6 or 8
+    # attention layers, LFM2's 8 K/V heads of 64), 0.5 GB for Qwen3.8 (16
+    # attention layers of 4 x 256; 48 delta-net states of 48 x 128 x 128
+    # float32, Qwen3.5-27B's geometry).
+    "lfm2.5-1.2b": ModelPair(  # 1.17B parameters (LFM2.5-1.2B model card): 2.34 GB
+        "LiquidAI/LFM2.5-1.2B-Instruct", "LiquidAI/LFM2.5-1.2B-Instruct-DSpark",
+        "LFM2.5-1.2B instruct (hybrid: short convolutions + attention) + Liquid DSpark draft", 2.9, 3.0,
+    ),
+    "lfm2.5-2.6b": ModelPair(  # 2.6B parameters (its name): 5.2 GB
+        "LiquidAI/LFM2.5-2.6B", "LiquidAI/LFM2.5-2.6B-DSpark",
+        "LFM2.5-2.6B (hybrid: short convolutions + attention) + Liquid DSpark draft", 5.9, 6.0,
+    ),
+    "lfm2.5-8b-a1b": ModelPair(  # 8.3B parameters (LFM2-8B-A1B's card; same geometry): 16.6 GB
+        "LiquidAI/LFM2.5-8B-A1B", "LiquidAI/LFM2.5-8B-A1B-DSpark",
+        "LFM2.5-8B-A1B (hybrid MoE, about 1B active) + Liquid DSpark draft", 17.3, 17.4,
+    ),
+    "qwen3.8-27b": ModelPair(  # 27B parameters (its name): 54 GB, vision tower not counted
+        "Qwen/Qwen3.8-27B", "RadixArk/Qwen3.8-27B-DSpark",
+        "Qwen3.8-27B (hybrid: gated delta nets + attention; text model of the multimodal release) "
+        "+ RadixArk DSpark draft", 56.7, 57.2,
+    ),
+    # Not listed: nvidia/NVIDIA-Nemotron-3.5-Lightning-30B-A3B-NVFP4 and its
+    # DSpark draft. The target is a ModelOpt NVFP4 checkpoint (weight_scale /
+    # weight_scale_2 beside each packed weight), which neither this loader nor
+    # mlx-lm's nemotron_h reads, and the draft was trained on that target's
+    # features. The draft's config (as copied in public code) also declares
+    # W4A16_NVFP4 weights and use_swa without layer_types, which the
+    # dflash_config reader refuses as ambiguous.
 }
 
 

@@ -61,7 +61,7 @@ def route(gate: dict, x: mx.array, config: MoEConfig, token_ids: mx.array):
     return experts, weights * config.routed_scaling
 
 
-def _expert_matmul(x: mx.array, p: dict, experts: mx.array) -> mx.array:
+def expert_matmul(x: mx.array, p: dict, experts: mx.array) -> mx.array:
     """``x [..., k, 1, in] @ W[experts]^T`` for stacked expert weights ``[E, out, in]``
     (dense or MLX-quantized), without gathering whole weight tensors."""
     if "scales" not in p:
@@ -73,9 +73,9 @@ def _expert_matmul(x: mx.array, p: dict, experts: mx.array) -> mx.array:
 
 def routed_experts(p: dict, x: mx.array, experts: mx.array, weights: mx.array, limit: float) -> mx.array:
     rows = x[..., None, None, :]
-    gate = _expert_matmul(rows, p["gate_proj"], experts)
-    up = _expert_matmul(rows, p["up_proj"], experts)
-    out = _expert_matmul(clamped_swiglu(gate, up, limit), p["down_proj"], experts)
+    gate = expert_matmul(rows, p["gate_proj"], experts)
+    up = expert_matmul(rows, p["up_proj"], experts)
+    out = expert_matmul(clamped_swiglu(gate, up, limit), p["down_proj"], experts)
     return (out[..., 0, :] * weights[..., None].astype(out.dtype)).sum(axis=-2)
 
 

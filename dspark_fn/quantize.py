@@ -7,10 +7,11 @@ the Markov tables (a lookup and a low-rank r -> V map: small, and they steer
 every drafted token) and the confidence head.
 
 Target (``quantize_target``): exactly what ``mlx_lm.convert -q`` does to the
-same model (its ``nn.quantize`` over mlx-lm's own module tree: every linear
-and embedding whose width the group size divides), so the result is the
-quantized checkpoint people download, and greedy output is mlx-lm's greedy
-output on it.
+same model (``nn.quantize`` over mlx-lm's own module tree: every linear and
+embedding whose input width the group size divides, with the settings the
+model's ``quant_predicate`` asks for, e.g. 8-bit MoE routers), so the result
+is the quantized checkpoint people download, and greedy output is mlx-lm's
+greedy output on it.
 """
 
 import mlx.core as mx
@@ -60,6 +61,23 @@ def quantize_draft(draft_params: dict, bits: int) -> dict:
     }
 
 
+def convert_predicate(model, layout: dict):
+    """``mlx_lm.convert -q``'s choice per module: quantizable modules whose
+    input width the group size divides, as the model's own ``quant_predicate``
+    (if any) says; settings other than the default are noted in ``layout``."""
+    own = getattr(model, "quant_predicate", None)
+
+    def predicate(path: str, module) -> bool | dict:
+        if not hasattr(module, "to_quantized") or module.weight.shape[-1] % GROUP_SIZE:
+            return False
+        choice = own(path, module) if own is not None else True
+        if isinstance(choice, dict):
+            layout[path] = choice
+        return choice
+
+    return predicate
+
+
 def quantize_target(config: dict, target_params: dict, bits: int) -> tuple[dict, dict]:
     """``(params, config)`` of a float target quantized as ``mlx_lm.convert -q`` would."""
     import mlx.nn as nn
@@ -70,6 +88,9 @@ def quantize_target(config: dict, target_params: dict, bits: int) -> tuple[dict,
     if config.get("quantization"):
         raise ValueError("the target is already quantized; --quant-target takes a float checkpoint")
     model = mlx_lm_model(config, target_params)
-    nn.quantize(model, group_size=GROUP_SIZE, bits=bits)
+    layout = {"group_size": GROUP_SIZE, "bits": bits, "mode": "affine"}
+    nn.quantize(model, group_size=GROUP_SIZE, bits=bits, class_predicate=convert_predicate(model, layout))
     params = tree_unflatten(tree_flatten(model.parameters()))
-    return params, {**config, "quantization": {"group_size": GROUP_SIZE, "bits": bits}}
+    if "language_model" not in target_params:  # mlx-lm wraps this text model in its multimodal release
+        params = params.get("language_model", params)
+    return params, {**config, "quantization": layout}

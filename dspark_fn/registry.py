@@ -5,7 +5,9 @@ of the text model it runs, so a ``gemma4_unified`` checkpoint is a
 ``gemma4_text`` target and its DeepSpec draft a ``gemma4_text`` draft.
 """
 
-TEXT_FAMILY = {"gemma4": "gemma4_text", "gemma4_unified": "gemma4_text", "gemma4_unified_text": "gemma4_text"}
+TEXT_FAMILY = {"gemma4": "gemma4_text", "gemma4_unified": "gemma4_text", "gemma4_unified_text": "gemma4_text",
+               "lfm2-vl": "lfm2",
+               "qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 
 
 def family_of(model_type: str | None) -> str | None:

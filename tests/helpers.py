@@ -161,6 +161,52 @@ def random_prompt(rng: np.random.Generator, length: int, vocab: int):
     return rng.integers(0, vocab - 1, size=length).tolist()
 
 
+def wrong_token(token: int, vocab: int) -> int:
+    return (token + 1) % vocab
+
+
+# Proposals built from the target's own greedy stream ``truth`` for round ``r``.
+PROPOSALS = {
+    "always-right": lambda truth, r, vocab: truth,
+    "always-wrong": lambda truth, r, vocab: [wrong_token(t, vocab) for t in truth],
+    # right for the first (round % width) slots, then wrong
+    "partly-right": lambda truth, r, vocab: [
+        t if i < r % (len(truth) + 1) else wrong_token(t, vocab) for i, t in enumerate(truth)
+    ],
+}
+
+
+def right_prefix(proposal: list, truth: list) -> int:
+    return next((i for i, (a, b) in enumerate(zip(proposal, truth)) if a != b), len(proposal))
+
+
+def drive_proposals(model, params, vocab: int, prompts: list, kind: str, new_tokens: int, shift: int = 1):
+    """Verify proposals of ``kind`` in rounds over a batch of ``prompts`` (row
+    ``b`` uses round ``r + shift * b``, so rows accept different counts);
+    checks every round keeps exactly each row's right prefix until the row has
+    ``new_tokens`` (then it only rides along) and returns ``(streams, rounds)``."""
+    width = params.spec.block_size + 1
+    truths = [mlx_lm_greedy(model, prompt, new_tokens + width) for prompt in prompts]
+    cache, anchors = dspark_fn.prefill(params, dspark_fn.init_cache(params, len(prompts), 512), prompts)
+    streams, r = [[t] for t in anchors.tolist()], 0
+    while min(len(s) for s in streams) < new_tokens:
+        running = [len(s) < new_tokens for s in streams]
+        proposals = [
+            PROPOSALS[kind](truth[len(s) : len(s) + width - 1], r + shift * b, vocab) if live else [0] * (width - 1)
+            for b, (truth, s, live) in enumerate(zip(truths, streams, running))
+        ]
+        block = mx.concatenate([anchors[:, None], mx.array(proposals, mx.int32)], axis=1)
+        cache, result = dspark_fn.verify_block(params, cache, block)
+        counts, anchors = result.count.tolist(), result.next_tokens
+        for b, (s, p, truth) in enumerate(zip(streams, proposals, truths)):
+            if running[b]:
+                assert counts[b] == right_prefix(p, truth[len(s):]) + 1, f"round {r} row {b}"
+                s += result.emitted[b, : counts[b]].tolist()
+        r += 1
+    assert [s[:new_tokens] for s in streams] == [t[:new_tokens] for t in truths]
+    return streams, r
+
+
 # ---- parity replays against the DeepSpec reference traces (../shared/parity/<case>)
 
 PARITY_CAPACITY = 128

@@ -1,11 +1,13 @@
 """Greedy DSpark output is token-identical to the target decoding alone (mlx-lm)."""
 
-import mlx.core as mx
 import numpy as np
 import pytest
 
 import dspark_fn
-from helpers import build_draft, build_target, draft_config, mlx_lm_greedy, random_prompt, speculative_tokens, target_config
+from helpers import (
+    PROPOSALS, build_draft, build_target, draft_config, drive_proposals, mlx_lm_greedy, random_prompt, speculative_tokens,
+    target_config,
+)
 
 pytestmark = pytest.mark.numerics  # rerun on the bundled BLAS by .ci/run
 
@@ -44,43 +46,17 @@ def test_every_verify_width_is_lossless(pair, width):
     assert speculative_tokens(params, prompt, 60, width=width) == mlx_lm_greedy(model, prompt, 60)
 
 
-def wrong_token(token: int, vocab: int) -> int:
-    return (token + 1) % vocab
-
-
-PROPOSALS = {
-    "always-right": lambda truth, r, vocab: truth,
-    "always-wrong": lambda truth, r, vocab: [wrong_token(t, vocab) for t in truth],
-    # right for the first (round % width) slots, then wrong
-    "partly-right": lambda truth, r, vocab: [
-        t if i < r % (len(truth) + 1) else wrong_token(t, vocab) for i, t in enumerate(truth)
-    ],
-}
-
-
 @pytest.mark.parametrize("kind", sorted(PROPOSALS))
 def test_verify_keeps_exactly_the_right_prefix(pair, kind):
     """Drive rounds with proposals built from the target's own greedy stream."""
     model, params, vocab = pair
     width = params.spec.block_size + 1
     prompt = random_prompt(np.random.default_rng(11), 17, vocab)
-    truth = mlx_lm_greedy(model, prompt, NEW_TOKENS + width)
-    cache, tokens = dspark_fn.prefill(params, dspark_fn.init_cache(params, 1, 512), prompt)
-    out, r = tokens.tolist(), 0
-    while len(out) < NEW_TOKENS:
-        proposal = PROPOSALS[kind](truth[len(out) : len(out) + width - 1], r, vocab)
-        block = mx.array([[out[-1]] + proposal], mx.int32)
-        cache, result = dspark_fn.verify_block(params, cache, block)
-        count = result.count.item()
-        right = next((i for i, (a, b) in enumerate(zip(proposal, truth[len(out):])) if a != b), len(proposal))
-        assert count == right + 1
-        out += result.emitted[0, :count].tolist()
-        tokens, r = result.next_tokens, r + 1
-    assert out[:NEW_TOKENS] == truth[:NEW_TOKENS]
+    _, rounds = drive_proposals(model, params, vocab, [prompt], kind, NEW_TOKENS)
     if kind == "always-right":
-        assert r == -(-(NEW_TOKENS - 1) // width)
+        assert rounds == -(-(NEW_TOKENS - 1) // width)
     if kind == "always-wrong":
-        assert r == NEW_TOKENS - 1
+        assert rounds == NEW_TOKENS - 1
 
 
 def test_stop_token_ends_generation_inclusive(pair):

@@ -32,6 +32,7 @@ from dspark_fn.checkpoints import save_draft
 from dspark_fn.drafts.vocab import reduced_checkpoint
 from dspark_fn.sampling import Mode, batch_sampling, log_probs
 from helpers import build_bigram_draft, build_target, mlx_lm_greedy, speculative_tokens, target_config
+from hybrids import HYBRID_SHAPES
 
 SAMPLES = 20_000
 TOKENS = 8
@@ -39,21 +40,41 @@ PIT_BINS = 20
 PROMPT = [5, 9]
 P_VALUE_FLOOR = 1e-5
 CONFIG = target_config("qwen3", vocab=32, hidden=16, layers=2, heads=2, kv_heads=1, head_dim=8)
+# A hybrid target (a gated short convolution, then attention): the law must
+# hold through the recurrent state's rollback too.
+HYBRID = dict(
+    HYBRID_SHAPES["lfm2"], vocab_size=32, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+    num_key_value_heads=1, block_dim=16, block_ff_dim=32, full_attn_idxs=[1],
+)
 DRAFT = dict(layers=1, taps=(0,), block_size=3)
+
+
+def build_models(root, config: dict):
+    """The target and its bigram drafts: good, bad, too flat, and good over half the vocabulary."""
+    model = build_target(root / "target", config, seed=0, gain=3.0)
+    shape = CONFIG  # the drafts' own geometry (a qwen3 draft serves any target of this width and vocabulary)
+    build_bigram_draft(root / "good", shape, model, PROMPT, scale=1.0, **DRAFT)
+    build_bigram_draft(root / "bad", shape, model, PROMPT, scale=-1.0, **DRAFT)
+    build_bigram_draft(root / "flat", shape, model, PROMPT, scale=0.3, **DRAFT)  # right in shape, too flat
+    draft = json.loads((root / "good" / "config.json").read_text())
+    weights = mx.load(str(root / "good" / "model.safetensors"))
+    save_draft(root / "reduced", *reduced_checkpoint(draft, weights, np.arange(0, 32, 2)))  # even ids only
+    pairs = {name: dspark_fn.load(root / "target", root / name) for name in ("good", "bad", "flat", "reduced")}
+    return model, pairs
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("sampling")
-    model = build_target(root / "target", CONFIG, seed=0, gain=3.0)
-    build_bigram_draft(root / "good", CONFIG, model, PROMPT, scale=1.0, **DRAFT)
-    build_bigram_draft(root / "bad", CONFIG, model, PROMPT, scale=-1.0, **DRAFT)
-    build_bigram_draft(root / "flat", CONFIG, model, PROMPT, scale=0.3, **DRAFT)  # right in shape, too flat
-    config = json.loads((root / "good" / "config.json").read_text())
-    weights = mx.load(str(root / "good" / "model.safetensors"))
-    save_draft(root / "reduced", *reduced_checkpoint(config, weights, np.arange(0, 32, 2)))  # even ids only
-    pairs = {name: dspark_fn.load(root / "target", root / name) for name in ("good", "bad", "flat", "reduced")}
-    return model, pairs
+    return build_models(tmp_path_factory.mktemp("sampling"), CONFIG)
+
+
+@pytest.fixture(scope="module")
+def hybrid_models(tmp_path_factory):
+    return build_models(tmp_path_factory.mktemp("sampling-hybrid"), HYBRID)
+
+
+def target_models(request, target: str):
+    return request.getfixturevalue("hybrid_models" if target == "hybrid" else "models")
 
 
 def softmax(z):
@@ -199,12 +220,17 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="module", params=sorted(CASES))
-def sampled(request, models):
-    model, pairs = models
-    draft, sampling, kwargs = CASES[request.param]
-    outcomes, widths = sampled_streams(pairs[draft], sampling, seed=len(request.param), **kwargs)
-    return request.param, model, sampling, outcomes, widths
+HYBRID_CASES = ("good draft", "bad draft", "top-k top-p", "auto width")
+RUNS = [("qwen3", case) for case in sorted(CASES)] + [("hybrid", case) for case in HYBRID_CASES]
+
+
+@pytest.fixture(scope="module", params=RUNS, ids=[f"{target}: {case}" for target, case in RUNS])
+def sampled(request):
+    target, case = request.param
+    model, pairs = target_models(request, target)
+    draft, sampling, kwargs = CASES[case]
+    outcomes, widths = sampled_streams(pairs[draft], sampling, seed=len(case), **kwargs)
+    return case, model, sampling, outcomes, widths
 
 
 def test_first_three_tokens_match_target_sampling(sampled):
@@ -272,6 +298,7 @@ def test_invalid_settings_are_refused(models):
 
 VERIFY = importlib.import_module("dspark_fn.accept")
 DRIVER = importlib.import_module("dspark_fn.rounds")
+CACHE = importlib.import_module("dspark_fn.cache")
 CONTROL_FLOOR = 1e-6
 
 
@@ -292,6 +319,15 @@ def unfiltered_draft_distribution(logits, rows, mode):
     return log_probs(logits, rows, Mode(mode.greedy, mode.sampled))
 
 
+def last_state_kept(entry, count):
+    """No rollback: a recurrent layer keeps the state after every verified token."""
+    if isinstance(entry, CACHE.PendingStates):
+        return entry.history[:, -1]
+    if isinstance(entry, CACHE.PendingWindow):
+        return entry.rows[:, -entry.size :]
+    return entry
+
+
 BROKEN = {
     "accepts every draft": ("good", Sampling(1.0), VERIFY, "acceptance_run", accept_every_draft),
     "no residual, good draft": ("good", Sampling(1.0), VERIFY, "correction", no_residual),
@@ -300,7 +336,11 @@ BROKEN = {
     "draft distribution left unfiltered": (
         "good", Sampling(0.8, top_k=6, top_p=0.9), DRIVER, "log_probs", unfiltered_draft_distribution,
     ),
+    "recurrent state not rolled back": ("good", Sampling(1.0), CACHE, "settle_entry", last_state_kept),
 }
+CONTROLS = [("qwen3", name) for name in sorted(BROKEN) if name != "recurrent state not rolled back"] + [
+    ("hybrid", name) for name in ("accepts every draft", "no residual, good draft", "recurrent state not rolled back")
+]
 
 
 def clear_kernels():
@@ -308,11 +348,11 @@ def clear_kernels():
     DRIVER._verify_kernel.cache_clear()
 
 
-@pytest.mark.parametrize("name", sorted(BROKEN))
-def test_the_harness_rejects_broken_samplers(models, monkeypatch, name):
+@pytest.mark.parametrize("target, name", CONTROLS, ids=[f"{target}: {name}" for target, name in CONTROLS])
+def test_the_harness_rejects_broken_samplers(request, monkeypatch, target, name):
     """Each broken rule is rejected far below the floor a correct sampler
     clears: the harness has the power the passing tests rely on."""
-    model, pairs = models
+    model, pairs = target_models(request, target)
     draft, sampling, module, attribute, broken = BROKEN[name]
     monkeypatch.setattr(module, attribute, broken)
     clear_kernels()

@@ -1,4 +1,5 @@
-"""``dspark serve`` through a real client: the ``openai`` package against a server this module starts."""
+"""``dspark serve`` through a real client: the ``openai`` package against a server this module starts
+(and a second one serving a tiny hybrid target: recurrent layers beside attention)."""
 
 import json
 import os
@@ -8,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 
 import urllib.error
 import urllib.request
@@ -17,7 +19,9 @@ import pytest
 import dspark_fn
 from dspark_fn.checkpoints import load_tokenizer
 from dspark_fn.evaluate import chat_tokens, stop_tokens
-from published import qwen3_pair
+from helpers import build_draft, build_target, mlx_lm_greedy
+from hybrids import HYBRID_SHAPES, hybrid_draft_config
+from published import qwen3_pair, qwen_tokenizer
 
 openai = pytest.importorskip("openai")
 
@@ -45,31 +49,48 @@ def pair(tmp_path_factory):
     return root
 
 
-@pytest.fixture(scope="module")
-def server(pair):
+@contextmanager
+def running_server(root, max_batch: int):
+    """``dspark serve`` of ``root/target`` + ``root/draft``: ``(base url, process, log)``;
+    stopped on leaving, whatever happened (killed if SIGTERM does not end it)."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    log = pair / "server.log"
+    log = root / "server.log"
     process = subprocess.Popen(
-        [sys.executable, "-m", "dspark_fn.cli", "serve", "--model", str(pair / "target"), "--draft", str(pair / "draft"),
-         "--port", str(port), "--max-batch", "4", "--max-context", "512", "--dtype", "float32"],
-        stdout=log.open("w"), stderr=subprocess.STDOUT, env=dict(os.environ, DSPARK_FN_CACHE=str(pair / "costs")),
+        [sys.executable, "-m", "dspark_fn.cli", "serve", "--model", str(root / "target"), "--draft", str(root / "draft"),
+         "--port", str(port), "--max-batch", str(max_batch), "--max-context", "512", "--dtype", "float32"],
+        stdout=log.open("w"), stderr=subprocess.STDOUT, env=dict(os.environ, DSPARK_FN_CACHE=str(root / "costs")),
     )
-    base = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        try:
-            get_json(base + "/health")
-            break
-        except OSError:
-            time.sleep(0.2)
-    else:
-        process.kill()
-        pytest.fail("server did not start: " + log.read_text())
-    yield base, process, log
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        process.wait(timeout=60)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        for _ in range(600):
+            try:
+                get_json(base + "/health")
+                break
+            except OSError:
+                if process.poll() is not None:
+                    break
+                time.sleep(0.2)
+        else:
+            pytest.fail("server did not start: " + log.read_text())
+        if process.poll() is not None:
+            pytest.fail("server exited: " + log.read_text())
+        yield base, process, log
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+@pytest.fixture(scope="module")
+def server(pair):
+    with running_server(pair, max_batch=4) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")
@@ -269,3 +290,71 @@ def test_prompts_are_not_logged_and_sigterm_stops_cleanly(server, client):
     assert process.wait(timeout=60) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once it is done
     text = log.read_text()
     assert MARKER not in text and "Traceback" not in text
+
+
+# ---- a hybrid target: recurrent states in the batch and in the prompt cache
+
+HYBRID_NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module", params=["lfm2", "qwen3_5"])
+def hybrid(request, tmp_path_factory):
+    """A served tiny hybrid pair (a chat tokenizer, a random draft), mlx-lm's
+    model of its target, and its tokenizer."""
+    root = tmp_path_factory.mktemp(request.param)
+    config = dict(HYBRID_SHAPES[request.param], vocab_size=320)
+    model = build_target(root / "target", config, seed=3, vector_spread=0.4)
+    qwen_tokenizer(root / "target")
+    last = config["num_hidden_layers"] - 1
+    build_draft(root / "draft", hybrid_draft_config(config, layers=1, taps=(0, last - 1), block_size=4), seed=1)
+    with running_server(root, max_batch=2) as (base, _, _):
+        yield openai.OpenAI(base_url=base + "/v1", api_key="unused"), base, model, load_tokenizer(root / "target"), root
+
+
+def hybrid_reference(model, tokenizer, prompt: list, max_tokens: int) -> str:
+    """mlx-lm's greedy text for ``prompt``, cut after the first stop token as the server cuts it."""
+    tokens, stops = mlx_lm_greedy(model, prompt, max_tokens), set(stop_tokens(tokenizer))
+    end = next((i + 1 for i, t in enumerate(tokens) if t in stops), len(tokens))
+    return detokenized(tokenizer, tokens[:end])
+
+
+def hybrid_chat(client, root, messages: list):
+    return client.chat.completions.create(model=str(root / "target"), messages=messages,
+                                          max_tokens=HYBRID_NEW_TOKENS, temperature=0)
+
+
+def test_hybrid_concurrent_requests_equal_mlx_lm_greedy(hybrid):
+    """Two requests decoded together in one batch of two rows, each as mlx-lm alone."""
+    client, base, model, tokenizer, root = hybrid
+    texts = ["hello world", "the lazy dog jumps over the quick brown fox"]
+    replies, batches = [None, None], set()
+
+    def ask(i):
+        replies[i] = hybrid_chat(client, root, [{"role": "user", "content": texts[i]}]).choices[0].message.content
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    while any(t.is_alive() for t in threads):
+        batches.add(get_json(base + "/health")["batch"])
+    for t in threads:
+        t.join(timeout=120)
+    prompts = [chat_tokens(tokenizer, text) for text in texts]
+    assert replies == [hybrid_reference(model, tokenizer, p, HYBRID_NEW_TOKENS) for p in prompts]
+    assert max(batches) == 2
+
+
+def test_hybrid_conversation_resumes_from_its_stored_state(hybrid):
+    """The second turn of a conversation starts from the first turn's stored
+    recurrent states (a prompt cache hit) and answers as mlx-lm does from scratch."""
+    client, base, model, tokenizer, root = hybrid
+    first = [{"role": "user", "content": "tell me about the lazy dog and the quick brown fox"}]
+    answer = hybrid_chat(client, root, first)
+    second = first + [{"role": "assistant", "content": answer.choices[0].message.content},
+                      {"role": "user", "content": "and the world?"}]
+    reply = hybrid_chat(client, root, second)
+    print("CACHED", reply.usage.prompt_tokens_details.cached_tokens, reply.usage.prompt_tokens, answer.choices[0].finish_reason)
+    assert reply.model_extra["dspark"]["prompt_cache_hit"]
+    assert reply.usage.prompt_tokens_details.cached_tokens > len(chat_tokens(tokenizer, first[0]["content"]))
+    prompt = list(tokenizer.apply_chat_template(second, add_generation_prompt=True))
+    assert reply.choices[0].message.content == hybrid_reference(model, tokenizer, prompt, HYBRID_NEW_TOKENS)

@@ -1,6 +1,20 @@
 """Draft distillation at scale, on tiny models: prompts without evaluation
 look-alikes, answers from continuous batching (resumable), feature shards
-on disk, the training forward, the loss going down, checkpoints and resume."""
+on disk, the training forward, the loss going down, checkpoints and resume.
+The whole ``distil`` pipeline also runs on hybrid targets (recurrent layers
+beside attention).
+
+Breaks tried, and the tests that catch them:
+- shards left-padded instead of right-padded (``sequence_arrays`` writes each
+  row at its end): test_distil_end_to_end_writes_a_draft_that_decodes_losslessly[*]
+  (a row no longer starts with its sequence);
+- the features pass freezing the recurrent states half-way through the
+  padded length (``forward(..., keep=length // 2)`` in ``_taps_kernel``):
+  test_distil_end_to_end...[qwen3_5] (rows' features differ from their own
+  unpadded forward; lfm2's convolution outputs do not depend on ``keep``);
+- ``draft_config_for`` reading ``intermediate_size`` unconditionally (LFM2
+  configs name it ``block_ff_dim``): test_distil_end_to_end...[lfm2].
+"""
 
 import json
 
@@ -21,7 +35,8 @@ from dspark_fn.noise import row_seeds
 from dspark_fn import draft_block, generate
 from dspark_fn.types import PairSpec, Params
 from helpers import build_target, mlx_lm_greedy, target_config
-from numerics import assert_fp32_close
+from hybrids import HYBRID_SHAPES
+from numerics import assert_fp32_close, fp32_bound
 
 PROMPTS, NEW_TOKENS, HELD_OUT, SHARD_ROWS = 24, 40, 4, 8
 # fp32 budget (tests/numerics.py): the 6 target layers and the draft layer;
@@ -280,16 +295,65 @@ def test_default_taps_follow_deepspec():
     assert draft_setup.spread_taps(30, 3) == [1, 14, 27]  # SmolLM2's default draft
 
 
-def test_distil_end_to_end_writes_a_draft_that_decodes_losslessly(tmp_path):
-    """``distil`` from nothing: prompts, answers, shards, a reduced-vocabulary
-    draft; run again, every stage resumes and nothing is redone."""
+def write_qwen3_release(directory):
+    from published import qwen3_pair
+
+    qwen3_pair(tied=True, taps=[1, 2, 3])(directory, directory.parent / "unused")
+
+
+def hybrid_release(name: str):
+    """A tiny hybrid target with a chat tokenizer, as ``distil`` reads a release."""
+
+    def write(directory):
+        from published import qwen_tokenizer
+
+        build_target(directory, dict(HYBRID_SHAPES[name], vocab_size=320), seed=3, vector_spread=0.4)
+        qwen_tokenizer(directory)
+
+    return write
+
+
+RELEASES = {"qwen3": write_qwen3_release, "lfm2": hybrid_release("lfm2"), "qwen3_5": hybrid_release("qwen3_5")}
+
+
+def check_shard_rows_as_alone(target_source, features_dir, answers):
+    """Each row of the first shard is one answered sequence, right-padded,
+    marked for loss over its answer, with the features the sequence has
+    when run alone (float16-rounded): padding reaches no kept row."""
+    from dspark_fn.models import load_target_named
+    from dspark_fn.targets import resolve_target
+
+    config, target_params, _ = load_target_named(target_source, dtype=mx.float32)
+    adapter = resolve_target(config)
+    spec = adapter.spec_from_config(config)
+    index = shards.read_index(features_dir)
+    corpus = shards.load_shard(features_dir, index["shards"][0])
+    tokens, masks = np.array(corpus.tokens), np.array(corpus.loss_mask)
+    stored = np.array(corpus.features.astype(mx.float32))
+    noise = fp32_bound(stored, layers=spec.num_layers, reduction=max(tokens.shape[1], 2 * spec.hidden_size))
+    for row in range(tokens.shape[0]):
+        (answer,) = [a for a in answers if tokens[row, : len(a.prompt) + len(a.answer)].tolist() == a.prompt + a.answer]
+        length = len(answer.prompt) + len(answer.answer)
+        assert np.flatnonzero(masks[row]).tolist() == list(range(len(answer.prompt), length)), f"row {row} mask"
+        _, alone, _ = adapter.forward(spec, target_params, adapter.init_kv(spec, 1, length),
+                                      mx.array(tokens[row : row + 1, :length]), mx.zeros((1,), mx.int32),
+                                      tuple(index["taps"]))
+        expected = np.array(alone[0])
+        rounding = np.finfo(np.float16).eps / 2 * np.abs(expected)
+        assert (np.abs(stored[row, :length] - expected) <= rounding + 2 * noise).all(), f"row {row} features"
+
+
+@pytest.mark.parametrize("family", sorted(RELEASES))
+def test_distil_end_to_end_writes_a_draft_that_decodes_losslessly(family, tmp_path):
+    """``distil`` from nothing: prompts, answers (the target's greedy ones),
+    shards, a reduced-vocabulary draft; run again, every stage resumes and
+    nothing is redone. The trained draft decodes as the target alone."""
     from mlx_lm.utils import load_model
 
     from dspark_fn import distill
     from dspark_fn.models import load_named
-    from published import qwen3_pair
 
-    qwen3_pair(tied=True, taps=[1, 2, 3])(tmp_path / "target", tmp_path / "unused")
+    RELEASES[family](tmp_path / "target")
     setup = distill.DistilConfig(taps=(1, 3), block_size=4, markov_rank=8, draft_vocab=64, answer_tokens=600,
                                  max_new_tokens=48, sources=("bundled",), answer_batch=4, shard_rows=4, held_out=2,
                                  eval_new_tokens=24)
@@ -331,5 +395,8 @@ def test_distil_end_to_end_writes_a_draft_that_decodes_losslessly(tmp_path):
     assert params.spec.draft.draft_vocab_size == 64
     model, _ = load_model(tmp_path / "target")
     model.set_dtype(mx.float32)
+    for answer in answers[:3]:
+        assert answer.answer == mlx_lm_greedy(model, answer.prompt, len(answer.answer))
+    check_shard_rows_as_alone(str(tmp_path / "target"), tmp_path / "run" / "features", answers)
     prompt = answers[0].prompt
     assert [t for e in generate(params, prompt, 24) for t in e.emitted] == mlx_lm_greedy(model, prompt, 24)

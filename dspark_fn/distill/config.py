@@ -29,11 +29,9 @@ def draft_config_for(
     target's geometry plus the DSpark keys)."""
     depth = target_config["num_hidden_layers"]
     heads = target_config["num_attention_heads"]
-    config = {
-        key: target_config[key]
-        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads")
-    }
+    config = {key: target_config[key] for key in ("vocab_size", "hidden_size", "num_attention_heads")}
     config.update(
+        intermediate_size=target_config.get("intermediate_size") or target_config["block_ff_dim"],  # LFM2's name
         model_type="qwen3",
         architectures=["Qwen3DSparkModel"],
         num_key_value_heads=target_config.get("num_key_value_heads", heads),

@@ -1,10 +1,12 @@
 """DSpark draft architectures, chosen by the checkpoint's ``model_type``.
 
 Adding a backbone is one module exposing ``ARCH`` and one line below.
+Drafts that keep their DSpark settings in a ``dflash_config`` object run
+the qwen3 backbone whatever their ``model_type`` (``drafts/dflash.py``).
 """
 
 from ..registry import Registry
-from . import deepseek_v4, gemma4, qwen3
+from . import deepseek_v4, dflash, gemma4, qwen3
 from .base import DraftArch
 
 ARCH_REGISTRY = Registry(
@@ -23,5 +25,8 @@ def register_arch(model_type: str, arch: DraftArch) -> None:
 
 
 def resolve_arch(config: dict) -> DraftArch:
-    """The ``DraftArch`` of a draft config (by its ``model_type``); ``ValueError`` names the known ones."""
+    """The ``DraftArch`` of a draft config (by its ``model_type``, or its ``dflash_config``);
+    ``ValueError`` names the known ones."""
+    if dflash.is_dflash_layout(config):
+        return dflash.ARCH
     return ARCH_REGISTRY.resolve(config)

@@ -67,6 +67,8 @@ class DraftArch:
                                              target's checkpoint (default: all of them)
     complete_config(config, keys) -> config  optional: facts a release's config leaves to
                                              its checkpoint (V4-DSpark's stage count)
+    checkpoint_key(key) -> key               optional: a checkpoint's own spelling of a key
+                                             -> the spelling ``checkpoint_shapes`` uses
     """
 
     spec_from_config: Callable
@@ -78,3 +80,4 @@ class DraftArch:
     prepare_params: Callable | None = None
     is_draft_key: Callable | None = None
     complete_config: Callable | None = None
+    checkpoint_key: Callable | None = None

@@ -4,6 +4,12 @@ Context rows are the projected target taps ``hidden_norm(fc(taps))``; they
 only provide keys/values (k_norm + RoPE at their own positions) to every
 draft layer. The block ``[anchor, mask, ...]`` attends to that context and,
 bidirectionally, to itself.
+
+Drafts published in the ``dflash_config`` layout (``drafts/dflash.py``) run
+this same backbone with options the spec carries, each defaulting to the
+DeepSpec draft: causal block attention, sliding-window layers, a learned
+per-head attention sink, drafting from the mask slots only, interleaved
+RoPE and a logit softcap.
 """
 
 from dataclasses import dataclass
@@ -11,7 +17,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from .. import ops
-from ..cache import block_mask, kv_buffers, positions_from, write_rows
+from ..cache import block_mask, causal_mask, kv_buffers, positions_from, prefix_mask, write_rows
 from ..layers.llama import AttentionFields, attention_fields
 from .base import DraftArch, DSparkFields, dspark_fields
 from .heads import decoder_layer_shapes, frame_shapes, head_shapes
@@ -20,6 +26,12 @@ from .heads import decoder_layer_shapes, frame_shapes, head_shapes
 @dataclass(frozen=True)
 class Qwen3DraftSpec(DSparkFields, AttentionFields):
     intermediate_size: int
+    causal: bool = False  # block slot k sees block slots <= k (else the whole block)
+    layer_windows: tuple = ()  # per layer: a sliding window (int) or None for full attention; () = all full
+    attention_sinks: bool = False  # every softmax also spends mass on a learned per-head sink logit
+    sample_from_anchor: bool = True  # the anchor's slot drafts the first token (else G mask slots do)
+    interleaved_rope: bool = False  # RoPE rotates pairs (x[2i], x[2i+1]) (GPT-J) instead of halves
+    softcap: float | None = None
 
 
 def spec_from_config(config: dict) -> Qwen3DraftSpec:
@@ -35,6 +47,8 @@ def checkpoint_shapes(spec: Qwen3DraftSpec) -> dict:
         shapes |= decoder_layer_shapes(
             f"layers.{i}.", spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.intermediate_size
         )
+        if spec.attention_sinks:
+            shapes[f"layers.{i}.self_attn.attention_sink_bias"] = (spec.num_heads,)
     return shapes | head_shapes(spec)
 
 
@@ -46,11 +60,25 @@ def init_context(spec: Qwen3DraftSpec, batch: int, capacity: int) -> list:
     ]
 
 
+def interleaved_rope(x: mx.array, positions: mx.array, inv_freq: mx.array) -> mx.array:
+    """Rotary embedding of ``x [B, H, L, D]`` rotating adjacent pairs ``(x[2i], x[2i+1])`` (GPT-J layout)."""
+    angles = positions.astype(mx.float32)[:, None, :, None] * inv_freq
+    cos, sin = mx.cos(angles), mx.sin(angles)
+    pairs = x.reshape(*x.shape[:-1], -1, 2)
+    even, odd = pairs[..., 0], pairs[..., 1]
+    rotated = mx.stack([even * cos - odd * sin, odd * cos + even * sin], axis=-1)
+    return rotated.reshape(x.shape).astype(x.dtype)
+
+
+def _rotate(spec, x, positions, inv_freq):
+    return (interleaved_rope if spec.interleaved_rope else ops.apply_rope)(x, positions, inv_freq)
+
+
 def _keys(spec, attn, x, positions, inv_freq):
     """Normed, rotated keys ``[B, H_kv, L, D]`` of ``x [B, L, d]`` at ``positions [B, L]``."""
     k = ops.split_heads(ops.linear(attn["k_proj"], x), spec.num_kv_heads)
     k = ops.rms_norm(k, attn["k_norm"]["weight"], spec.eps)
-    return ops.apply_rope(k, positions, inv_freq)
+    return _rotate(spec, k, positions, inv_freq)
 
 
 def _values(spec, attn, x):
@@ -72,27 +100,74 @@ def extend_context(spec: Qwen3DraftSpec, params: dict, state: list, features, st
     return new_state
 
 
+def layer_mask(causal: bool, window: int | None, length, capacity: int, width: int) -> mx.array:
+    """``[B, 1, G, C + G]`` over ``[context slots ; block]`` for a block at ``length[b] + k``.
+
+    Bidirectional: every slot sees the whole block and the context, only its
+    last ``window - 1`` rows in a sliding layer (the anchor's window).
+    Causal: slot ``q`` sees earlier block slots and context, only positions
+    after ``q - window`` in a sliding layer.
+    """
+    if not causal:
+        return block_mask(length, capacity, width, None if window is None else window - 1)
+    context = causal_mask(positions_from(length, width), capacity, window) & prefix_mask(length, capacity)
+    block = causal_mask(mx.arange(width)[None], width, window)
+    block = mx.broadcast_to(block, (length.shape[0], 1, width, width))
+    return mx.concatenate([context, block], axis=-1)
+
+
+def sink_attention(q, k, v, mask: mx.array, scale: float, sinks: mx.array) -> mx.array:
+    """Grouped-query attention whose softmax has one more logit per query
+    head, ``sinks [H]``, with no value: it takes mass from every key."""
+    batch, heads, length, dim = q.shape
+    kv_heads = k.shape[1]
+    group = heads // kv_heads
+    grouped = (q * scale).reshape(batch, kv_heads, group, length, dim)
+    scores = grouped @ k[:, :, None].swapaxes(-1, -2)
+    scores = mx.where(mask[:, :, None], scores, mx.finfo(scores.dtype).min)
+    sink = mx.broadcast_to(sinks.reshape(1, kv_heads, group, 1, 1).astype(scores.dtype), (*scores.shape[:-1], 1))
+    weights = mx.softmax(mx.concatenate([scores, sink], axis=-1), axis=-1, precise=True)[..., :-1]
+    return (weights @ v[:, :, None]).reshape(batch, heads, length, -1).astype(q.dtype)
+
+
+def _attend(spec, attn, q, keys, values, mask):
+    scale = spec.head_dim**-0.5
+    if spec.attention_sinks:
+        return sink_attention(q, keys, values, mask, scale, attn["attention_sink_bias"])
+    return ops.attention(q, keys, values, mask, scale)
+
+
 def block_forward(spec: Qwen3DraftSpec, params: dict, state: list, length, block_ids):
-    """The block ``block_ids [B, G]`` at positions ``length[b] + k``: ``(base logits [B, G, V'], hidden [B, G, d])``."""
+    """The block ``block_ids [B, G]`` at positions ``length[b] + k``: ``(base logits [B, G, V'], hidden [B, G, d])``.
+
+    Without ``sample_from_anchor`` the block runs one more mask slot and the
+    anchor's own output is dropped: slot ``k`` drafts the token at ``length + k + 1``.
+    """
+    if not spec.sample_from_anchor:
+        extra = mx.full((block_ids.shape[0], 1), spec.mask_token_id, block_ids.dtype)
+        block_ids = mx.concatenate([block_ids, extra], axis=1)
     width = block_ids.shape[1]
     capacity = state[0][0].shape[2]
     positions = positions_from(length, width)
     inv_freq = ops.rope_inv_freq(spec.head_dim, dict(spec.rope))
-    mask = block_mask(length, capacity, width)
+    windows = spec.layer_windows or (None,) * spec.num_layers
+    masks = {window: layer_mask(spec.causal, window, length, capacity, width) for window in set(windows)}
     h = ops.embed(params["embed_tokens"], block_ids, spec.hidden_size)
-    for layer, (keys, values) in zip(params["layers"], state):
+    for layer, (keys, values), window in zip(params["layers"], state, windows):
         attn = layer["self_attn"]
         x = ops.rms_norm(h, layer["input_layernorm"]["weight"], spec.eps)
         q = ops.split_heads(ops.linear(attn["q_proj"], x), spec.num_heads)
-        q = ops.apply_rope(ops.rms_norm(q, attn["q_norm"]["weight"], spec.eps), positions, inv_freq)
+        q = _rotate(spec, ops.rms_norm(q, attn["q_norm"]["weight"], spec.eps), positions, inv_freq)
         all_keys = mx.concatenate([keys, _keys(spec, attn, x, positions, inv_freq)], axis=2)
         all_values = mx.concatenate([values, _values(spec, attn, x)], axis=2)
-        out = ops.attention(q, all_keys, all_values, mask, spec.head_dim**-0.5)
+        out = _attend(spec, attn, q, all_keys, all_values, masks[window])
         h = h + ops.linear(attn["o_proj"], ops.merge_heads(out))
         x = ops.rms_norm(h, layer["post_attention_layernorm"]["weight"], spec.eps)
         h = h + ops.glu_mlp(layer["mlp"], x)
     hidden = ops.rms_norm(h, params["norm"]["weight"], spec.eps)
-    return ops.linear(params["lm_head"], hidden), hidden
+    if not spec.sample_from_anchor:
+        hidden = hidden[:, 1:]
+    return ops.softcap(ops.linear(params["lm_head"], hidden), spec.softcap), hidden
 
 
 ARCH = DraftArch(spec_from_config=spec_from_config, checkpoint_shapes=checkpoint_shapes, init_context=init_context,

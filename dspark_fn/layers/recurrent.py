@@ -20,14 +20,16 @@ from ..cache import PendingStates, PendingWindow, settle_entry
 def convolve(window: mx.array, x: mx.array, weight: mx.array, bias: mx.array | None, keep: mx.array | None):
     """Causal depthwise convolution of ``x [B, L, C]`` after the previous
     inputs ``window [B, K - 1, C]``, with ``weight [C, K, 1]`` (mlx-lm's
-    ``Conv1d`` layout): ``(outputs [B, L, C], entry)``."""
+    ``Conv1d`` layout): ``(outputs [B, L, C], entry)``. The sum runs in
+    float32 and rounds once, as MLX's convolution does in half precision."""
     size = window.shape[1]
     rows = mx.concatenate([window.astype(x.dtype), x], axis=1)
-    taps = weight[:, :, 0].T  # [K, C]
+    taps = weight[:, :, 0].T.astype(mx.float32)  # [K, C]
     length = x.shape[1]
-    out = sum(rows[:, k : k + length] * taps[k] for k in range(size + 1))
+    out = sum(rows[:, k : k + length].astype(mx.float32) * taps[k] for k in range(size + 1))
     if bias is not None:
-        out = out + bias
+        out = out + bias.astype(mx.float32)
+    out = out.astype(x.dtype)
     pending = PendingWindow(rows, size)
     return out, pending if keep is None else settle_entry(pending, keep).astype(window.dtype)
 

@@ -7,7 +7,7 @@ line in the registry below. The round kernel only ever calls the adapter.
 import mlx.core as mx
 
 from ..registry import TEXT_FAMILY, Registry, family_of
-from . import deepseek_v4, gemma4, llama
+from . import deepseek_v4, gemma4, lfm2, llama, nemotron_h, qwen3_5
 from .base import TargetAdapter
 
 TARGET_REGISTRY = Registry(
@@ -15,10 +15,16 @@ TARGET_REGISTRY = Registry(
     {
         "deepseek_v4": deepseek_v4.ADAPTER,
         "gemma4_text": gemma4.ADAPTER,
+        "lfm2": lfm2.ADAPTER,
+        "lfm2_moe": lfm2.ADAPTER,
         "llama": llama.ADAPTER,
         "mistral": llama.ADAPTER,
+        "nemotron_h": nemotron_h.ADAPTER,
         "qwen2": llama.ADAPTER,
         "qwen3": llama.ADAPTER,
+        "qwen3_5_moe_text": qwen3_5.ADAPTER,
+        "qwen3_5_text": qwen3_5.ADAPTER,
+        "qwen3_next": qwen3_5.ADAPTER,
     },
 )
 
@@ -39,11 +45,12 @@ def text_model_config(config: dict) -> dict:
 
 def target_module(target_params: dict, key: str) -> dict:
     """The target's embedding or output head (``{"weight"}``, plus ``scales``
-    and ``biases`` when quantized), for drafts that share them."""
-    model = target_params.get("model", target_params)
+    and ``biases`` when quantized), for drafts that share them. Nemotron-H
+    keeps its layers under ``backbone`` and names its embedding ``embeddings``."""
+    model = target_params.get("model", target_params.get("backbone", target_params))
     if key == "lm_head.weight" and "lm_head" in target_params:
         return target_params["lm_head"]
-    return model["embed_tokens"]
+    return model["embed_tokens"] if "embed_tokens" in model else model["embeddings"]
 
 
 def activation_dtype(target_params: dict):

@@ -49,6 +49,12 @@ def output_head(params: dict, tied: bool) -> dict:
     return params["model"]["embed_tokens"] if tied else params["lm_head"]
 
 
-def prompt_rows(start: mx.array, end: mx.array, length: int) -> mx.array:
-    """``[B]`` rows of a prefill chunk at ``start`` that belong to prompts ending at ``end``."""
-    return mx.clip(end - start, 0, length)
+def stopping_at_prompt_end(forward: Callable) -> Callable:
+    """The ``prompt_forward`` of a family with recurrent layers: its ``forward``
+    with ``keep`` set to each row's prompt tokens in the chunk, so the padding
+    past a prompt's end never advances a state."""
+
+    def prompt_forward(spec, params, kv, tokens, start, taps, first, end):
+        return forward(spec, params, kv, tokens, start, taps, keep=mx.clip(end - start, 0, tokens.shape[1]))
+
+    return prompt_forward

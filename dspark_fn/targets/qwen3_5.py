@@ -1,0 +1,236 @@
+"""The Qwen3.5 family (mlx-lm ``qwen3_5``, ``qwen3_5_moe``) and Qwen3-Next
+(``qwen3_next``) as a pure target forward.
+
+Hybrid decoders: every ``full_attention_interval``-th layer is gated
+attention, the others gated delta nets (``layers/gated_delta.py``), each
+followed by a SwiGLU MLP or a sparse MoE block (softmax top-k routing over
+``switch_mlp`` experts, plus a shared expert behind a sigmoid gate).
+Qwen3.5 puts the MoE block in every layer of an MoE model; Qwen3-Next in
+those that ``decoder_sparse_step`` picks and ``mlp_only_layers`` does not
+name. Qwen3-Next fuses its delta nets' input projections; the layer math is
+otherwise the same.
+
+mlx-lm builds every Qwen3.5 checkpoint as its multimodal wrapper, the text
+model under ``language_model``; ``load_params`` returns that text model's
+tree, so a multimodal release (``text_config``, vision weights beside it)
+runs as its text model.
+"""
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_flatten, tree_unflatten
+
+from .. import ops
+from ..cache import causal_mask, kv_buffers, positions_from
+from ..layers.gated_delta import (
+    AttentionGeometry,
+    DeltaGeometry,
+    delta_state,
+    gated_attention,
+    gated_delta_net,
+)
+from ..moe import routed_experts
+from .base import TargetAdapter, concat_taps, output_head, stopping_at_prompt_end
+
+# RoPE kinds of the attention layers' rotary part; a text-only mrope (every
+# section at the same position) is plain RoPE, as mlx-lm runs it.
+ROPE_KINDS = {"default": "default", "mrope": "default", "linear": "linear"}
+
+
+@dataclass(frozen=True)
+class Qwen3_5Spec:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    eps: float
+    tied: bool
+    linear: tuple  # per layer: a gated delta net (else gated attention)
+    sparse: tuple  # per layer: a sparse MoE block (else a SwiGLU MLP)
+    delta: DeltaGeometry
+    attention: AttentionGeometry
+    top_k: int
+    norm_topk_prob: bool
+
+
+def model_args(config: dict) -> dict:
+    """The config read with mlx-lm's own defaults (its ``ModelArgs``), the
+    fields Qwen3-Next has no default for checked first."""
+    if config.get("model_type") == "qwen3_next":
+        from mlx_lm.models.qwen3_next import ModelArgs
+
+        required = [f.name for f in dataclasses.fields(ModelArgs)
+                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        missing = [name for name in required if name not in config]
+        if missing:
+            raise ValueError(f"qwen3_next config lacks {', '.join(missing)}")
+    else:
+        from mlx_lm.models.qwen3_5 import TextModelArgs as ModelArgs
+    return vars(ModelArgs.from_dict(config))
+
+
+def layer_kinds(config: dict, args: dict) -> tuple[tuple, tuple]:
+    """Per layer ``(linear, sparse)``: which layers are delta nets and which have MoE blocks."""
+    layers, interval = args["num_hidden_layers"], args["full_attention_interval"]
+    linear = tuple((i + 1) % interval != 0 for i in range(layers))
+    if config.get("model_type") != "qwen3_next":
+        return linear, (args["num_experts"] > 0,) * layers
+    sparse = tuple(
+        args["num_experts"] > 0 and i not in args["mlp_only_layers"] and (i + 1) % args["decoder_sparse_step"] == 0
+        for i in range(layers)
+    )
+    return linear, sparse
+
+
+def config_problems(config: dict, args: dict) -> list:
+    """What in a config this adapter (or mlx-lm) cannot run, in words."""
+    problems = []
+    layers, interval = args["num_hidden_layers"], args["full_attention_interval"]
+    if interval < 1:
+        problems.append(f"full_attention_interval {interval} (must be at least 1)")
+    elif interval > layers:
+        problems.append(f"no full-attention layer (full_attention_interval {interval} > {layers} layers)")
+    elif config.get("layer_types"):
+        expected = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
+        if list(config["layer_types"]) != expected:
+            problems.append(f"layer_types disagree with full_attention_interval {interval}")
+    if args["linear_num_value_heads"] % args["linear_num_key_heads"]:
+        problems.append(
+            f"linear_num_value_heads {args['linear_num_value_heads']} is not a multiple of "
+            f"linear_num_key_heads {args['linear_num_key_heads']}"
+        )
+    if args["num_attention_heads"] % args["num_key_value_heads"]:
+        problems.append(
+            f"num_attention_heads {args['num_attention_heads']} is not a multiple of "
+            f"num_key_value_heads {args['num_key_value_heads']}"
+        )
+    if args["num_experts"] > 0 and not 1 <= args["num_experts_per_tok"] <= args["num_experts"]:
+        problems.append(f"num_experts_per_tok {args['num_experts_per_tok']} outside 1..{args['num_experts']}")
+    kind = rope_kind(args)
+    if kind not in ROPE_KINDS:
+        problems.append(f"rope type {kind!r} (supported: {', '.join(ROPE_KINDS)})")
+    return problems
+
+
+def rope_kind(args: dict) -> str:
+    scaling = args["rope_scaling"] or {}
+    return scaling.get("type") or scaling.get("rope_type") or "default"
+
+
+def attention_geometry(args: dict) -> AttentionGeometry:
+    rope = {"rope_type": ROPE_KINDS[rope_kind(args)], "rope_theta": args["rope_theta"]}
+    if rope["rope_type"] == "linear":
+        rope["factor"] = args["rope_scaling"]["factor"]
+    return AttentionGeometry(
+        num_heads=args["num_attention_heads"],
+        num_kv_heads=args["num_key_value_heads"],
+        head_dim=args["head_dim"],
+        rotary_dims=int(args["head_dim"] * args["partial_rotary_factor"]),
+        rope=tuple(sorted(rope.items())),
+    )
+
+
+def spec_from_config(config: dict) -> Qwen3_5Spec:
+    """The target spec of a Qwen3.5 text config or a Qwen3-Next config; what
+    cannot run is refused with the reason."""
+    args = model_args(config)
+    problems = config_problems(config, args)
+    if problems:
+        raise ValueError(f"unsupported {config.get('model_type')} target: " + "; ".join(problems))
+    linear, sparse = layer_kinds(config, args)
+    return Qwen3_5Spec(
+        model_type=config["model_type"],
+        vocab_size=args["vocab_size"],
+        hidden_size=args["hidden_size"],
+        num_layers=args["num_hidden_layers"],
+        eps=args["rms_norm_eps"],
+        tied=args["tie_word_embeddings"],
+        linear=linear,
+        sparse=sparse,
+        delta=DeltaGeometry(
+            num_k_heads=args["linear_num_key_heads"],
+            num_v_heads=args["linear_num_value_heads"],
+            head_k_dim=args["linear_key_head_dim"],
+            head_v_dim=args["linear_value_head_dim"],
+            conv_kernel=args["linear_conv_kernel_dim"],
+        ),
+        attention=attention_geometry(args),
+        top_k=args["num_experts_per_tok"],
+        norm_topk_prob=args["norm_topk_prob"],
+    )
+
+
+def load_params(directory) -> dict:
+    """The text model's tree of a checkpoint directory, through mlx-lm's
+    loader (its ``sanitize`` maps a release's names and drops its vision
+    weights before anything is read)."""
+    from mlx_lm.utils import load_model
+
+    model, _ = load_model(Path(directory), lazy=False)
+    text = getattr(model, "language_model", model)
+    return tree_unflatten(tree_flatten(text.parameters()))
+
+
+def init_kv(spec: Qwen3_5Spec, batch: int, capacity: int, dtype=mx.float32) -> list:
+    """Per layer: a delta net's ``{"conv", "ssm"}`` state, or an attention layer's K/V buffers ``[B, H_kv, C, D]``."""
+    attention = spec.attention
+    return [
+        delta_state(spec.delta, batch, dtype) if linear
+        else kv_buffers(batch, attention.num_kv_heads, capacity, attention.head_dim, dtype)
+        for linear in spec.linear
+    ]
+
+
+def sparse_moe(spec: Qwen3_5Spec, p: dict, x: mx.array) -> mx.array:
+    """The top-k experts of ``softmax(gate x)`` weighted by their
+    probabilities (renormalised with ``norm_topk_prob``), plus the gated shared expert."""
+    probs = mx.softmax(ops.linear(p["gate"], x), axis=-1, precise=True)
+    experts = mx.argpartition(probs, kth=-spec.top_k, axis=-1)[..., -spec.top_k :]
+    weights = mx.take_along_axis(probs, experts, axis=-1)
+    if spec.norm_topk_prob:
+        weights = weights / weights.sum(axis=-1, keepdims=True)
+    routed = routed_experts(p["switch_mlp"], x, experts, weights, 0.0)
+    return routed + mx.sigmoid(ops.linear(p["shared_expert_gate"], x)) * ops.glu_mlp(p["shared_expert"], x)
+
+
+def forward(spec: Qwen3_5Spec, params: dict, kv: list, tokens, start, taps: tuple, keep=None):
+    """Run ``tokens [B, L]`` at positions ``start[b] + i``: ``(final-normed
+    hidden [B, L, d], taps [B, L, F], kv)``; the delta nets' states pending,
+    or committed after ``keep[b]`` tokens when given."""
+    model = params["model"]
+    positions = positions_from(start, tokens.shape[1])
+    capacity = kv[spec.linear.index(False)][0].shape[2]
+    mask = causal_mask(positions, capacity)
+    h = ops.embed(model["embed_tokens"], tokens, spec.hidden_size)
+    tapped, new_kv = {}, []
+    for index, (layer, entry) in enumerate(zip(model["layers"], kv)):
+        x = ops.rms_norm(h, layer["input_layernorm"]["weight"], spec.eps)
+        if spec.linear[index]:
+            mixed, entry = gated_delta_net(spec.delta, layer["linear_attn"], x, entry, spec.eps, keep)
+        else:
+            mixed, keys, values = gated_attention(
+                spec.attention, layer["self_attn"], x, *entry, start, positions, mask, spec.eps
+            )
+            entry = (keys, values)
+        h = h + mixed
+        x = ops.rms_norm(h, layer["post_attention_layernorm"]["weight"], spec.eps)
+        h = h + (sparse_moe(spec, layer["mlp"], x) if spec.sparse[index] else ops.glu_mlp(layer["mlp"], x))
+        new_kv.append(entry)
+        if index in taps:
+            tapped[index] = h
+    features = concat_taps(tapped, taps)
+    return ops.rms_norm(h, model["norm"]["weight"], spec.eps), features, new_kv
+
+
+def logits(spec: Qwen3_5Spec, params: dict, hidden: mx.array) -> mx.array:
+    """Output logits ``[..., V]`` of final-normed ``hidden``."""
+    return ops.linear(output_head(params, spec.tied), hidden)
+
+
+ADAPTER = TargetAdapter(
+    spec_from_config=spec_from_config, init_kv=init_kv, forward=forward, logits=logits, load_params=load_params,
+    prompt_forward=stopping_at_prompt_end(forward),
+)

@@ -1,0 +1,136 @@
+"""Hybrid targets through the whole engine: every family in ``hybrids.HYBRID_SHAPES``
+(recurrent layers beside attention) decodes exactly as mlx-lm's own model.
+
+Breaks tried, and the tests that catch them:
+- no rollback (``cache.settle_entry`` keeps the state after all W tokens):
+  test_verify_keeps_exactly_the_right_prefix[partly-right / always-wrong],
+  test_rows_accepting_unevenly_decode_as_alone, test_generate_equals_target_greedy;
+- the convolution window shifted by one (``PendingWindow`` read from ``count + 1``): the same;
+- the state restored one position late (``PendingStates`` read at ``count + 1``): the same;
+- prompt padding entering the state (``prompt_forward`` without ``keep``):
+  test_generate_equals_target_greedy, test_a_stored_state_is_reused_only_at_its_length;
+- the prompt cache reusing a state at a shorter length (no length check in
+  ``PromptCache.lookup``): test_a_stored_state_is_reused_only_at_its_length.
+"""
+
+import numpy as np
+import pytest
+
+import dspark_fn
+from dspark_fn.rounds import TRACE_COUNTS
+from dspark_fn.serve.engine import PromptCache
+from helpers import (
+    PROPOSALS, build_draft, build_target, drive_proposals, mlx_lm_greedy, random_prompt, speculative_tokens, wrong_token,
+)
+from hybrids import HYBRID_SHAPES, hybrid_draft_config
+
+pytestmark = pytest.mark.numerics
+
+NEW_TOKENS = 200
+
+
+@pytest.fixture(scope="module", params=sorted(HYBRID_SHAPES))
+def pair(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(request.param)
+    config = HYBRID_SHAPES[request.param]
+    model = build_target(root / "target", config, seed=3, vector_spread=0.4)
+    last = config["num_hidden_layers"] - 1
+    build_draft(root / "draft", hybrid_draft_config(config, taps=(0, last - 1), block_size=5), seed=1)
+    return model, dspark_fn.load(root / "target", root / "draft"), config["vocab_size"]
+
+
+def test_the_target_does_not_repeat_itself(pair):
+    """The tiny targets must write varied text, or greedy equality proves little."""
+    model, _, vocab = pair
+    stream = mlx_lm_greedy(model, random_prompt(np.random.default_rng(0), 13, vocab), NEW_TOKENS)
+    assert len(set(stream)) >= 20
+
+
+@pytest.mark.parametrize("prompt_length, width", [(13, None), (300, None), (40, "auto")])
+def test_generate_equals_target_greedy(pair, prompt_length, width):
+    """300 tokens prefill in a 256-token chunk then a padded 64-token one, growing the cache."""
+    model, params, vocab = pair
+    prompt = random_prompt(np.random.default_rng(prompt_length), prompt_length, vocab)
+    assert speculative_tokens(params, prompt, NEW_TOKENS, width=width) == mlx_lm_greedy(model, prompt, NEW_TOKENS)
+
+
+@pytest.mark.parametrize("kind", sorted(PROPOSALS))
+def test_verify_keeps_exactly_the_right_prefix(pair, kind):
+    """Every accepted count 0..W-1 (partly-right cycles through them), W, and none."""
+    model, params, vocab = pair
+    drive_proposals(model, params, vocab, [random_prompt(np.random.default_rng(11), 17, vocab)], kind, NEW_TOKENS)
+
+
+def test_rows_accepting_unevenly_decode_as_alone(pair):
+    """Three rows in one verify, each right for a different number of slots every round."""
+    model, params, vocab = pair
+    rng = np.random.default_rng(12)
+    prompts = [random_prompt(rng, n, vocab) for n in (5, 17, 9)]
+    drive_proposals(model, params, vocab, prompts, "partly-right", 60, shift=2)
+
+
+def traces_during(fn):
+    before = TRACE_COUNTS.copy()
+    fn()
+    return {k: TRACE_COUNTS[k] - before[k] for k in TRACE_COUNTS if TRACE_COUNTS[k] != before[k]}
+
+
+def test_one_trace_per_kernel_per_bucket(pair):
+    model, params, vocab = pair
+    rng = np.random.default_rng(2)
+    run = lambda n: speculative_tokens(params, random_prompt(rng, n, vocab), 150, width=None, capacity=512)  # noqa: E731
+    first = traces_during(lambda: run(21))  # earlier tests may have traced some kernels of this pair already
+    assert set(first) <= {"prefill", "draft", "verify"} and max(first.values(), default=1) == 1, first
+    assert traces_during(lambda: run(30)) == {}
+
+
+def test_inserted_and_resized_rows_decode_as_alone(pair):
+    """Rows join a running batch, leave it, and move into a smaller one."""
+    model, params, vocab = pair
+    rng = np.random.default_rng(4)
+    prompts = [random_prompt(rng, n, vocab) for n in (7, 19, 4)]
+    decoder = dspark_fn.Decoder(params, 4, width=None)
+    streams = {0: decoder.insert([0], [prompts[0]]), 2: decoder.insert([2], [prompts[1]])}
+
+    def run(rounds, rows):
+        for _ in range(rounds):
+            step = decoder.step()
+            for row, emitted in zip(step.rows, step.emitted):
+                streams[rows[row]] += emitted
+
+    run(3, {0: 0, 2: 2})
+    streams[3] = decoder.insert([3], [prompts[2]])
+    run(3, {0: 0, 2: 2, 3: 3})
+    decoder.release(0)
+    moved = decoder.resize(2)
+    assert moved == {2: 0, 3: 1}
+    run(4, {0: 2, 1: 3})
+    for row, prompt in zip((0, 2, 3), prompts):
+        assert streams[row] == mlx_lm_greedy(model, prompt, len(streams[row])), f"row {row}"
+
+
+def test_a_stored_state_is_reused_only_at_its_length(pair):
+    """A finished conversation's cache serves a prompt that extends all of
+    it, and only such a prompt: its recurrent state is that of its last token."""
+    model, params, vocab = pair
+    rng = np.random.default_rng(5)
+    decoder = dspark_fn.Decoder(params, 1, width=None)
+    first = random_prompt(rng, 20, vocab)
+    tokens = first + decoder.insert([0], [first])
+    while len(tokens) < 40:
+        tokens += decoder.step().emitted[0]
+    committed = int(decoder.committed[0])
+    store = PromptCache(budget_bytes=1 << 30, min_tokens=4)
+    store.store(tokens[:committed], decoder.row_cache(0))
+
+    diverging = tokens[: committed - 3] + [wrong_token(t, vocab) for t in tokens[committed - 3 : committed]]
+    assert store.lookup(diverging) is None  # shares all but the last 3
+    follow_up = tokens[:committed] + random_prompt(rng, 6, vocab)
+    prefix = store.lookup(follow_up)
+    assert prefix is not None and prefix.length.tolist() == [committed]
+
+    fresh = dspark_fn.Decoder(params, 1, width=None)
+    resumed = fresh.insert([0], [follow_up], prefix=prefix)
+    while len(resumed) < 30:
+        resumed += fresh.step().emitted[0]
+    assert resumed == mlx_lm_greedy(model, follow_up, len(resumed))
