@@ -4,14 +4,15 @@ comparisons side by side in one process.
     python bench/report.py core        # compiled vs eager round; dspark vs mlx-lm greedy (parity fixture)
     python bench/report.py default     # embedded SmolLM2 pair: tau per dataset, greedy and T=1; speedup
     python bench/report.py quant       # tau of the default draft: float vs 8-bit vs 4-bit
-    python bench/report.py speed       # default policy vs mlx-lm greedy on every bundled set (DRAFTS too)
+    python bench/report.py speed       # default policy vs mlx-lm greedy on every bundled set (DRAFTS, PROPOSALS too)
     python bench/report.py context     # default policy vs mlx-lm greedy after long prompts
     python bench/report.py precision   # target x draft precision: speedup, tau, memory
 
 Environment: N (prompts per dataset, default 50), TOKENS (new tokens, default 128),
 SPEED_N (prompts for the speed comparison, default 10), REPEATS (default 3),
 DRAFTS (comma-separated draft directories that `speed` measures after the bundled one,
-e.g. from `dspark train`), DATASETS (comma-separated bundled sets for `speed`, default all five).
+e.g. from `dspark train`), DATASETS (comma-separated bundled sets for `speed`, default all five),
+PROPOSALS (comma-separated proposal sources that `speed` measures: auto, draft, copy; default auto).
 """
 
 import os
@@ -96,6 +97,15 @@ def default() -> None:
 
 
 DATASETS = tuple(os.environ.get("DATASETS", "gsm8k,humaneval,math500,mbpp,mt-bench").split(","))
+PROPOSALS = tuple(os.environ.get("PROPOSALS", "auto").split(","))
+
+
+def source_cells(summary: dict) -> str:
+    """Share of rounds and tau per proposal source: draft, copy, none (plain steps)."""
+    sources = summary["sources"]
+    share = " / ".join(f"{sources.get(name, {}).get('share', 0.0):.0%}" for name in ("draft", "copy", "none"))
+    tau = " / ".join(f"{sources[name]['tau']:.2f}" if name in sources else "-" for name in ("draft", "copy"))
+    return f"{share} | {tau}"
 
 
 def long_prompt(tokenizer, length: int) -> list[int]:
@@ -151,21 +161,26 @@ def speed() -> None:
     """Default settings (no flags) against mlx-lm greedy on the same target,
     every prompt through both engines in each repeat, medians of repeats; for
     the bundled draft, then each draft in DRAFTS (the numbers that decide
-    whether a newly trained draft replaces the default)."""
+    whether a newly trained draft replaces the default), under each of
+    PROPOSALS; with the share of rounds and tau per proposal source."""
     candidates = [None] + [d for d in os.environ.get("DRAFTS", "").split(",") if d]
     pairs = {d or "bundled": load_named(None, d) for d in candidates}
     _, tokenizer, config = pairs["bundled"]
     model = mlx_lm_model(config, pairs["bundled"][0].target)
     print(f"embedded target, default policy, greedy, {SPEED_N} prompts per dataset, {TOKENS} new tokens, "
           f"medians of {REPEATS} repeats ({machine()})\n")
-    print("| dataset | draft | mlx-lm greedy tokens/s | dspark_fn tokens/s | speedup | tau | drafted rounds | identical |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| dataset | draft | proposals | mlx-lm greedy tokens/s | dspark_fn tokens/s | speedup | tau | "
+          "rounds: draft / copy / none | tau: draft / copy | identical |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for dataset in DATASETS:
         prompts = [chat_tokens(tokenizer, text) for text in first_turns(dataset, SPEED_N)]
         for name, (params, _, _) in pairs.items():
-            s = run_bench(params, model, prompts, TOKENS, stop_tokens(tokenizer), repeats=REPEATS).summary()
-            print(f"| {dataset} | {name} | {s['baseline_tokens_per_s']:.1f} | {s['dspark_tokens_per_s']:.1f} | "
-                  f"{s['speedup']:.2f}x | {s['tau']:.2f} | {s['drafted_share']:.0%} | {s['identical']} |", flush=True)
+            for proposals in PROPOSALS:
+                s = run_bench(params, model, prompts, TOKENS, stop_tokens(tokenizer), repeats=REPEATS,
+                              proposals=proposals).summary()
+                print(f"| {dataset} | {name} | {proposals} | {s['baseline_tokens_per_s']:.1f} | "
+                      f"{s['dspark_tokens_per_s']:.1f} | {s['speedup']:.2f}x | {s['tau']:.2f} | {source_cells(s)} | "
+                      f"{s['identical']} |", flush=True)
 
 
 def quant() -> None:

@@ -31,7 +31,7 @@ _EXPORTS = {
     "CostCurve": "schedule", "VerifyPolicy": "schedule",
     "TARGET_REGISTRY": "targets", "TargetAdapter": "targets", "register_target": "targets",
     "resolve_target": "targets",
-    "Event": "types", "PairSpec": "types", "Params": "types", "Proposal": "types", "Round": "types",
+    "Copies": "types", "Event": "types", "PairSpec": "types", "Params": "types", "Proposal": "types", "Round": "types",
     "Step": "types",
 }
 
@@ -48,6 +48,7 @@ __all__ = [
     "ARCH_REGISTRY",
     "TARGET_REGISTRY",
     "Cache",
+    "Copies",
     "CostCurve",
     "Decoder",
     "DraftArch",

@@ -30,7 +30,7 @@ def dspark_tokens(params, prompt, max_new_tokens, stop, acceptance: Acceptance |
     for event in generate(params, prompt, max_new_tokens, stop_tokens=stop, **options):
         tokens += event.emitted
         if acceptance is not None and event.kind == "round":
-            acceptance.add(len(event.emitted), event.accepted, len(event.drafted))
+            acceptance.add(len(event.emitted), event.accepted, len(event.drafted), event.source)
     return tokens
 
 
@@ -89,6 +89,7 @@ class BenchResult:
             "acceptance_rate": self.acceptance.acceptance_rate,
             "per_slot_acceptance": self.acceptance.per_slot,
             "drafted_share": self.acceptance.drafted_share,
+            "sources": self.acceptance.sources(),
             "identical": self.identical,
             "draft_ms_per_round": 1e3 * self.stages[0] / max(self.stages[2], 1),
             "verify_ms_per_round": 1e3 * self.stages[1] / max(self.stages[2], 1),

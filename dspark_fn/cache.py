@@ -40,7 +40,7 @@ class Cache(NamedTuple):
 
     @property
     def capacity(self) -> int:
-        return slot_buffers((self.target, self.draft))[0].shape[2]
+        return first_slot_buffer((self.target, self.draft)).shape[2]
 
     @property
     def recurrent(self) -> bool:
@@ -114,6 +114,16 @@ def map_slots(fn, tree, *others):
 def slot_buffers(tree) -> list:
     """The arrays of a cache tree that hold slots (every one but recurrent states)."""
     return [x for _, x in tree_flatten(tree, is_leaf=is_recurrent) if not is_recurrent(x)]
+
+
+def first_slot_buffer(tree) -> mx.array | None:
+    """``slot_buffers(tree)[0]`` without flattening the whole tree (the
+    capacity is read a few times a round, before each write is checked)."""
+    if isinstance(tree, mx.array):
+        return tree
+    if isinstance(tree, (list, tuple)):
+        return next((found for entry in tree if (found := first_slot_buffer(entry)) is not None), None)
+    return None  # a recurrent state (a dict), or no array at all
 
 
 class PendingWindow(NamedTuple):

@@ -13,7 +13,7 @@ from .drafts import resolve_arch
 from .drafts.heads import DRAFT_VOCAB_KEY
 from .drafts.vocab import check_vocabulary, restrict_vocabulary
 from .types import PairSpec, Params
-from .registry import family_of
+from .registry import family_of, mlx_lm_model_type
 from .targets import resolve_target, target_module, text_model_config
 
 # Draft tensors that DeepSpec copies from the target; taken from it when absent.
@@ -218,6 +218,7 @@ def mlx_lm_model(config: dict, target_params: dict):
     import mlx.nn as nn
     from mlx_lm.utils import _get_classes
 
+    config = dict(config, model_type=mlx_lm_model_type(config["model_type"]))
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))
     if "language_model" in model and "language_model" not in target_params:  # a release wrapping its text model

@@ -33,6 +33,10 @@ def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
                         "when measured acceptance and costs say it pays, then pick the width from the confidences)")
     parser.add_argument("--confidence-threshold", type=float, default=0.0,
                         help="end each proposal at the first draft slot with a lower confidence (0: off)")
+    parser.add_argument("--proposals", choices=("auto", "draft", "copy"), default="auto",
+                        help="where proposals come from: the DSpark draft, copies of earlier stretches of the "
+                        "context (no draft pass), or 'auto' (default: with --verify auto, per row and round, "
+                        "whichever the measured acceptance and costs favour; a fixed --verify N drafts every round)")
 
 
 def add_chat_arguments(parser: argparse.ArgumentParser) -> None:
@@ -82,7 +86,7 @@ def parse_verify(text: str):
 
 def verify_options(args) -> dict:
     """``generate`` keywords from the verification flags."""
-    return dict(width=args.verify, confidence_threshold=args.confidence_threshold)
+    return dict(width=args.verify, confidence_threshold=args.confidence_threshold, proposals=args.proposals)
 
 
 def decoding_options(args) -> dict:
@@ -156,17 +160,18 @@ def run_generate(args) -> int:
             row = event.row
             tokens[row] += event.emitted
             if event.kind == "round":
-                rounds[row].append({"drafted": event.drafted, "accepted": event.accepted, "emitted": event.emitted})
+                rounds[row].append({"drafted": event.drafted, "accepted": event.accepted, "emitted": event.emitted,
+                                    "source": event.source})
                 for stats in (acceptance[row], overall):
-                    stats.add(len(event.emitted), event.accepted, len(event.drafted))
+                    stats.add(len(event.emitted), event.accepted, len(event.drafted), event.source)
             if stream:
                 stream.add(event.emitted)
     except KeyboardInterrupt:
         print("\ndspark: interrupted", file=sys.stderr)
     elapsed = time.perf_counter() - start
     reports = [
-        {"tokens": row_tokens, "rounds": row_rounds, "tau": stats.tau, "tokens_per_s": clock.tokens_per_s,
-         "seconds": elapsed}
+        {"tokens": row_tokens, "rounds": row_rounds, "tau": stats.tau, "sources": stats.sources(),
+         "tokens_per_s": clock.tokens_per_s, "seconds": elapsed}
         for row_tokens, row_rounds, stats in zip(tokens, rounds, acceptance)
     ]
     if args.json:
@@ -186,6 +191,7 @@ def run_generate(args) -> int:
         f"decoding {clock.tokens_per_s:.1f} tokens/s once compiled]",
         file=sys.stderr,
     )
+    print(f"[rounds by source: {overall.sources_line()}]", file=sys.stderr)
     if args.compare:
         from .benchmark import baseline_tokens, timed
         from .checkpoints import mlx_lm_model
@@ -238,6 +244,7 @@ def run_bench(args) -> int:
     print(f"{'dspark_fn':<22}{summary['dspark_tokens_per_s']:>10.1f}")
     print(f"speedup {summary['speedup']:.2f}x, tau {summary['tau']:.2f}, identical tokens: {summary['identical']}")
     print("per-slot acceptance: " + " ".join(f"{a:.2f}" for a in summary["per_slot_acceptance"]))
+    print(f"rounds by source: {result.acceptance.sources_line()}")
     return 0
 
 
@@ -264,6 +271,7 @@ def run_eval(args) -> int:
     print(f"{args.dataset}: {done} prompts{note}, {summary['rounds']} rounds")
     print(f"tau {acceptance.tau:.2f}, verify rate {acceptance.verify_rate:.2f}, acceptance {acceptance.acceptance_rate:.0%}")
     print("per-slot acceptance: " + " ".join(f"{a:.2f}" for a in acceptance.per_slot))
+    print(f"rounds by source: {acceptance.sources_line()}")
     return 130 if interrupted else 0
 
 
@@ -298,9 +306,7 @@ def run_train(args) -> int:
 
 def run_serve(args) -> int:
     try:
-        import uvicorn
-
-        from .serve.app import create_app
+        from .serve.app import serve
         from .serve.engine import Engine
     except ImportError as missing:
         raise SystemExit(f"dspark serve needs its extra: pip install 'dspark-fn[serve]' ({missing})") from None
@@ -310,17 +316,11 @@ def run_serve(args) -> int:
     name = args.model or "smollm2-135m"
     engine = Engine(
         params, max_batch=args.max_batch, max_context=args.max_context,
-        prompt_cache_bytes=args.prompt_cache_mb << 20, width=args.verify,
-        confidence_threshold=args.confidence_threshold,
+        prompt_cache_bytes=args.prompt_cache_mb << 20, **verify_options(args),
     )
-    class Server(uvicorn.Server):
-        def handle_exit(self, sig, frame):  # SIGINT/SIGTERM: in-flight requests end now, then shut down
-            engine.cancel_all()
-            super().handle_exit(sig, frame)
-
-    config = uvicorn.Config(create_app(engine, tokenizer, name), host=args.host, port=args.port, log_level="warning")
     print(f"dspark: serving {name} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
-    Server(config).run()
+    if serve(engine, tokenizer, name, args.host, args.port):
+        raise SystemExit(f"dspark: the decoding engine failed and could not start again ({engine.failure})")
     return 0
 
 

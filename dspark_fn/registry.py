@@ -14,6 +14,16 @@ def family_of(model_type: str | None) -> str | None:
     return TEXT_FAMILY.get(model_type, model_type)
 
 
+def mlx_lm_model_type(model_type: str) -> str:
+    """The mlx-lm module that builds ``model_type``: its own, or for a text
+    family mlx-lm has no module for (``qwen3_5_text``) the release wrapping it."""
+    from importlib.util import find_spec
+
+    if find_spec(f"mlx_lm.models.{model_type}") is not None:
+        return model_type
+    return next((release for release, text in TEXT_FAMILY.items() if text == model_type), model_type)
+
+
 class Registry(dict):
     """``model_type`` -> entry, with an error that lists what is known."""
 

@@ -6,7 +6,9 @@ compiled kernels: the draft (one per model pair and sampling mode) and the
 verify (one per pair, width and sampling mode). The verify width is static,
 acceptance only changes array values (the new ``length``), and each row's
 proposal length is data (``limit``), so every kernel compiles once per
-capacity bucket and switching among widths never retraces.
+capacity bucket and switching among widths never retraces. So is where a
+row's proposal comes from: the draft's, or a copy of its own context
+(``Copies``, a point mass); a round of copies alone skips the draft kernel.
 """
 
 import math
@@ -25,7 +27,7 @@ from .drafts.heads import DRAFT_VOCAB_KEY, draft_chain
 from .noise import row_seeds, uniforms
 from .sampling import GREEDY, Mode, RowSampling, batch_sampling, choose, log_probs
 from .targets import activation_dtype
-from .types import PairSpec, Params, Proposal, Round
+from .types import Copies, PairSpec, Params, Proposal, Round
 
 PREFILL_CHUNK = 64  # the smallest chunk: a prompt pads to a multiple of it
 LONG_PREFILL_CHUNK = 256  # long stretches of a prompt go in these (bigger matmuls run faster)
@@ -162,11 +164,24 @@ def _draft_kernel(spec: PairSpec, mode: Mode):
     return mx.compile(draft_)
 
 
+def point_mass(tokens: mx.array, vocab_size: int) -> mx.array:
+    """Log-probabilities ``[..., V]`` of proposals that are certain: 0 at each
+    of ``tokens [...]``, -inf elsewhere. Rejection sampling then keeps a
+    copied token with the target's probability of it and otherwise draws
+    from the target without it (renormalised): exact, as for any draft."""
+    return mx.where(mx.arange(vocab_size) == tokens[..., None], 0.0, -mx.inf)
+
+
 @lru_cache(maxsize=None)
 def _verify_kernel(spec: PairSpec, width: int, mode: Mode):
-    def verify_(target, draft, cache, tokens, drafts, draft_log_probs, confidence_logits, rows, limit, active):
+    def verify_(target, draft, cache, tokens, drafts, draft_log_probs, confidence_logits, copies, copying, rows,
+                limit, active):
         TRACE_COUNTS["verify"] += 1
-        block = mx.concatenate([tokens[:, None], drafts[:, : width - 1]], axis=1)
+        proposed = mx.where(copying[:, None], copies, drafts[:, : width - 1])
+        block = mx.concatenate([tokens[:, None], proposed], axis=1)
+        if mode.sampled:
+            copied = point_mass(copies, spec.target.vocab_size)
+            draft_log_probs = mx.where(copying[:, None, None], copied, draft_log_probs[:, : width - 1])
         before = Cache(*cache)
         cache, verdict = verify_and_commit(
             Params(spec, target, draft), before, block, draft_log_probs, RowSampling(*rows), mode, limit, active
@@ -177,7 +192,7 @@ def _verify_kernel(spec: PairSpec, width: int, mode: Mode):
             next_tokens=verdict.next_tokens,
             accepted=verdict.accepted,
             drafted=block[:, 1:],
-            confidences=mx.sigmoid(confidence_logits[:, : width - 1]),
+            confidences=mx.where(copying[:, None], 1.0, mx.sigmoid(confidence_logits[:, : width - 1])),
         )
         return tuple(cache), tuple(result)
 
@@ -202,6 +217,15 @@ def no_proposal(batch_size: int) -> Proposal:
     return Proposal(empty.astype(mx.int32), None, empty, None, None, empty[..., None])
 
 
+def undrafted(params: Params, batch_size: int, mode: Mode) -> Proposal:
+    """What a wider verify reads in a round without a draft pass (every row
+    copies or verifies nothing): zeros shaped as the draft's proposal, so
+    the round runs the same compiled kernel."""
+    slots = params.spec.block_size
+    log_probs = mx.zeros((batch_size, slots, params.spec.target.vocab_size) if mode.sampled else (0,))
+    return Proposal(mx.zeros((batch_size, slots), mx.int32), None, mx.zeros((batch_size, slots)), None, None, log_probs)
+
+
 def verify(
     params: Params,
     cache: Cache,
@@ -212,9 +236,12 @@ def verify(
     sampling=GREEDY,
     limit: mx.array | None = None,
     active: mx.array | None = None,
+    copies: Copies | None = None,
 ) -> tuple[Cache, Round]:
     """Verify ``width`` tokens (anchor + the first ``width - 1`` drafts of
     ``proposal``), accept at most ``limit[b]`` drafts per row, commit.
+    ``copies`` (default none) gives rows their own proposals instead of
+    the draft's, each a point mass (certain) under rejection sampling.
 
     ``active`` (default all) marks the rows still generating; the others
     keep their state. Every row needs ``width`` free slots; a cache without
@@ -222,7 +249,8 @@ def verify(
     """
     check_width(params.spec, width)
     check_free_slots(cache, width)
-    return verify_unchecked(params, cache, tokens, proposal, width, *batch_sampling(sampling, tokens.shape[0]), limit, active)
+    rows, mode = batch_sampling(sampling, tokens.shape[0])
+    return verify_unchecked(params, cache, tokens, proposal, width, rows, mode, limit, active, copies)
 
 
 def check_free_slots(cache: Cache, width: int) -> None:
@@ -238,15 +266,50 @@ def check_free_slots(cache: Cache, width: int) -> None:
         )
 
 
-def verify_unchecked(params, cache, tokens, proposal, width, rows: RowSampling, mode: Mode, limit=None, active=None):
-    """``verify`` without the checks, for the driver (which sizes its cache itself)."""
+def check_writes(starts, count: int, capacity: int, launch: str, rows: Sequence[int] | None = None) -> None:
+    """Refuse, on the host and before ``launch`` runs, a write of ``count``
+    slots at ``starts[i]`` (cache row ``rows[i]``, default ``i``) that ends
+    past ``capacity``: a write out of bounds corrupts memory instead of
+    failing, so an internal inconsistency must stop here."""
+    starts = np.asarray(starts)
+    over = np.flatnonzero(starts + count > capacity)
+    if over.size:
+        i = int(over[0])
+        row = i if rows is None else rows[i]
+        raise ValueError(
+            f"{launch}: cache row {row} at length {int(starts[i])} would write {count} slots past the capacity "
+            f"{capacity}"
+        )
+
+
+def check_rows(rows: Sequence[int], count: int, batch: int) -> None:
+    """``rows`` must name ``count`` distinct rows of a batch of ``batch``
+    (a scatter to a row outside the buffers writes out of bounds)."""
+    if len(rows) != count or len(set(rows)) != len(rows):
+        raise ValueError(f"{count} prompts need {count} distinct rows, got {list(rows)}")
+    outside = [row for row in rows if not 0 <= row < batch]
+    if outside:
+        raise ValueError(f"row {outside[0]} is not a row of the batch of {batch}")
+
+
+def verify_unchecked(params, cache, tokens, proposal, width, rows: RowSampling, mode: Mode, limit=None, active=None,
+                     copies: Copies | None = None):
+    """``verify`` without its checks, for the driver: it sizes its cache and
+    checks each row's room (``check_writes``) from the lengths it tracks on
+    the host, with no read from the device."""
     batch = tokens.shape[0]
     limit = mx.full((batch,), width - 1, mx.int32) if limit is None else limit
     active = mx.ones((batch,), mx.bool_) if active is None else active
+    if copies is None:
+        copies = Copies(mx.zeros((batch, width - 1), mx.int32), mx.zeros((batch,), mx.bool_))
+    # Greedy rules never read the draft's distribution: a fixed stand-in keeps
+    # one kernel whatever proposed (the draft's logits, or no draft at all).
+    log_probs = proposal.log_probs if mode.sampled else mx.zeros((0,))
     kernel = _verify_kernel(params.spec, width, mode)
     cache, result = kernel(
-        params.target, params.draft, tuple(cache), tokens,
-        proposal.tokens, proposal.log_probs, proposal.confidence_logits, tuple(rows), limit, active,
+        params.target, params.draft, tuple(cache), tokens, proposal.tokens.astype(mx.int32), log_probs,
+        proposal.confidence_logits.astype(mx.float32), copies.tokens.astype(mx.int32), copies.rows, tuple(rows),
+        limit, active,
     )
     return Cache(*cache), Round(*result)
 
@@ -398,6 +461,7 @@ def prefill(params: Params, cache: Cache, prompt, *, sampling=GREEDY, chunk_size
     for begin, size in chunk_spans(padded_length, sizes):
         if grow:
             state = grow_cache(params, state, capacity_for(int(starts.max()) + begin + size))
+        check_writes(starts[running] + begin, size, state.capacity, "prefill chunk", rows=running)
         chunk = padded[:, begin : begin + size]
         (target, draft), last_logits = kernel(
             params.target, params.draft, (state.target, state.draft), chunk, offsets + begin, offsets, last_rows,
@@ -436,6 +500,7 @@ def insert(params: Params, cache: Cache, rows: Sequence[int], prompts, *, sampli
     batch grows if they need more room; without, they must fit the batch's
     capacity. Returns ``(cache, first tokens)``."""
     prompts = [list(p) for p in prompts]
+    check_rows(list(rows), len(prompts), cache.batch_size)
     seeds = list(seeds) or [0] * len(rows)
     part = prefix if prefix is not None else init_cache(params, len(rows), capacity_for(1) if grow else cache.capacity)
     if not grow:

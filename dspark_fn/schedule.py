@@ -49,6 +49,20 @@ probe round drafts again after 1, 2, 4, ... up to ``PROBE_LIMIT`` plain
 rounds, so a stretch of easy text is found at a bounded cost. The gate
 reads only finished rounds, never the tokens of the round it decides, so
 it changes the speed, not the output.
+
+Two proposal sources (``proposals="auto"``): a row may verify a copy of an
+earlier stretch of its own context (``copying``) instead of the draft. A
+copy costs no draft pass. ``SlotRates`` measures ``α_k`` per source: the
+draft's as above, and copies' per length of the ending they matched, each
+copy scored against the tokens its row committed whether it was verified
+or not. Before a round the gate rates it without the draft pass (rows with
+a copy verify it) and with it (each row takes the better of its copy and
+the draft), each at its best slot level, and drafts only when that is
+faster (or a probe is due). A copy is a function of the committed tokens
+and its rates are measured on finished rounds: choosing it never looks at
+the round's own draws, and its slots enter Algorithm 1 with survival
+``Π_{i<=k} α_i``, which depends on no token of the round. (A fixed width
+drafts every round, so it proposes copies only with ``proposals="copy"``.)
 """
 
 import hashlib
@@ -58,10 +72,12 @@ import platform
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import mlx.core as mx
 import numpy as np
+
+from .copying import LONGEST_MATCH
 
 WIDTH_LADDER = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 CACHE_DIR_ENV = "DSPARK_FN_CACHE"
@@ -132,13 +148,21 @@ class VerifyPolicy:
     threshold: float = 0.0
     costs: CostCurve | None = None  # set: choose the length by Algorithm 1 ("auto")
 
-    def plan(self, confidences: np.ndarray, active: np.ndarray) -> tuple[int, np.ndarray]:
-        """``confidences [B, G]`` (sigmoid of the confidence logits), ``active [B]``
-        rows still generating -> verify width and per-row proposal lengths."""
+    def plan(self, confidences: np.ndarray, active: np.ndarray, proposing: np.ndarray | None = None,
+             copying: np.ndarray | None = None) -> tuple[int, np.ndarray]:
+        """``confidences [B, G]`` (sigmoid of the confidence logits; a row that
+        verifies a copy holds its slots' measured rates), ``active [B]`` rows
+        still generating, ``proposing [B]`` (default all) rows with something
+        to verify, ``copying [B]`` (default none) rows verifying a copy (the
+        confidence threshold is the draft's) -> verify width and per-row
+        proposal lengths."""
         batch, slots = confidences.shape
         limits = np.full(batch, self.max_width - 1)
+        if proposing is not None:
+            limits = np.where(proposing, limits, 0)
         if self.threshold > 0:
-            limits = np.minimum(limits, threshold_lengths(confidences, self.threshold))
+            cut = np.minimum(limits, threshold_lengths(confidences, self.threshold))
+            limits = cut if copying is None else np.where(copying, limits, cut)
         if self.costs is not None:
             allowed = np.arange(slots)[None, :] < limits[:, None]
             survival = np.cumprod(confidences, axis=1) * allowed
@@ -147,35 +171,134 @@ class VerifyPolicy:
         widest = int(limits[active].max()) if active.any() else 0
         return bucket_for(widest + 1, self.buckets), limits.astype(np.int32)
 
-    def gate(self) -> "DraftGate | None":
-        """A fresh gate for one generation under "auto"; ``None`` for fixed
-        widths, which draft every round (``max_width > 1``) or never."""
+    def gate(self, rates: "SlotRates | None" = None) -> "DraftGate | None":
+        """A fresh gate for one generation under "auto" (learning into
+        ``rates``, default its own); ``None`` for fixed widths, which draft
+        every round (``max_width > 1``) or never."""
         if self.costs is None or self.max_width == 1:
             return None
-        return DraftGate.start(self.costs, self.buckets, self.max_width - 1)
+        return DraftGate.start(self.costs, self.buckets, self.max_width - 1, rates)
 
 
 ACCEPTANCE_EMA = 0.2
 PROBE_LIMIT = 16
+DRAFTED = 0  # the draft's row of ``SlotRates``; row n >= 1 holds copies that matched an ending of n tokens
+
+
+@dataclass
+class SlotRates:
+    """Measured acceptance of each proposal slot, by kind of proposal: the
+    draft (row ``DRAFTED``) and copies by the length of the ending they
+    matched (row n; a longer match continues more often). ``alpha_k`` is
+    the rate at which slot k was accepted when slots < k were: an average
+    over the first observations, then an exponential moving average with
+    weight ``ACCEPTANCE_EMA``."""
+
+    acceptance: np.ndarray  # [1 + longest match, G] alpha_k
+    observed: np.ndarray  # [1 + longest match, G] observations of slot k
+
+    @classmethod
+    def start(cls, slots: int, longest_match: int = LONGEST_MATCH) -> "SlotRates":
+        # Untried slots count as always accepted, so the first rounds propose and measure.
+        shape = (1 + longest_match, slots)
+        return cls(np.ones(shape), np.zeros(shape))
+
+    def learn(self, kind: int, slot: int, outcomes: np.ndarray) -> None:
+        """One round's outcomes (accepted or not, or a probability) of ``slot``."""
+        if not outcomes.size:
+            return
+        self.observed[kind, slot] += outcomes.size
+        weight = max(ACCEPTANCE_EMA, outcomes.size / self.observed[kind, slot])
+        self.acceptance[kind, slot] += weight * (float(outcomes.mean()) - self.acceptance[kind, slot])
+
+    def observe_drafts(self, accepted: np.ndarray, limits: np.ndarray, confidences: np.ndarray) -> None:
+        """Rows that verified the draft: row r verified ``limits[r]`` drafts
+        and kept ``accepted[r]``. Slot k counts for the rows that reached it
+        (every earlier slot accepted): verified, it was accepted or not; left
+        unverified by the plan, its draft confidence stands in for the
+        outcome (the plan cut it because that confidence was low)."""
+        for slot in range(self.acceptance.shape[1]):
+            reached = accepted >= slot
+            verified = limits > slot
+            self.learn(DRAFTED, slot, np.where(verified, accepted > slot, confidences[:, slot])[reached])
+
+    def observe_copies(self, matches: list, copies: list, committed: list) -> None:
+        """Score each row's copy (``matches[r]`` tokens matched, 0: none)
+        against the tokens the row committed this round, whether the round
+        verified it or not. Slot k counts where the copy's first k tokens
+        were committed and a committed token stands at slot k; the outcome is
+        whether it is the copied one. Given that prefix the committed token
+        is distributed as the target's (the rounds are lossless), so this is
+        the acceptance of the copy as a point-mass proposal, and copies stay
+        measured through rounds that verified the draft."""
+        outcomes: dict = {}
+        for match, copy, tokens in zip(matches, copies, committed):
+            if not match:
+                continue
+            for slot, (copied, token) in enumerate(zip(copy, tokens)):
+                outcomes.setdefault((match, slot), []).append(copied == token)
+                if copied != token:
+                    break
+        for (match, slot), kept in outcomes.items():
+            self.learn(match, slot, np.array(kept))
+
+    def gains(self, kinds: np.ndarray, slots: int) -> np.ndarray:
+        """``[R, slots + 1]``: expected accepted proposals of each row's kind
+        when it verifies its first ``l`` slots (column l)."""
+        survival = np.cumprod(self.acceptance[np.asarray(kinds, int), :slots], axis=1)
+        return np.concatenate([np.zeros((len(survival), 1)), np.cumsum(survival, axis=1)], axis=1)
+
+
+class SourceSpeeds(NamedTuple):
+    """Tokens per second predicted for the coming round with and without the
+    draft pass, and the rows that would verify their copy if it drafts."""
+
+    drafting: float
+    without: float
+    copying: np.ndarray  # [B]
+
+
+def source_speeds(rates: SlotRates, matches: np.ndarray, active: np.ndarray, costs: CostCurve,
+                  buckets: tuple, slots: int) -> SourceSpeeds:
+    """Without the draft pass every row that has a copy may verify it; with
+    it each row takes the better of its copy and the draft. Both are rated
+    at every slot level ``l`` (one verify width for the batch) as
+    ``sum_r (1 + gain_r(l)) / cost(l)``, from the measured rates alone."""
+    copy = rates.gains(matches, slots) * (matches > 0)[:, None]
+    draft = rates.gains([DRAFTED], slots)[0]
+    verify = np.array([costs.verify[bucket_for(level + 1, buckets)] for level in range(slots + 1)])
+    rows = int(active.sum())
+    without = (rows + copy[active].sum(axis=0)) / verify
+    drafting = (rows + np.maximum(copy[active], draft).sum(axis=0)) / (costs.draft + verify)
+    level = 1 + int(np.argmax(drafting[1:]))
+    return SourceSpeeds(float(drafting[level]), float(without.max()), (matches > 0) & (copy[:, level] >= draft[level]))
 
 
 @dataclass
 class DraftGate:
-    """Host-side memory of the "auto" policy: measured per-slot acceptance and
-    the probe schedule. ``draft_next`` decides the coming round;
-    ``observe`` learns from a finished drafted round."""
+    """Host-side memory of the "auto" policy: the measured rates (``SlotRates``,
+    shared with the decoder) and the probe schedule. ``draft_next`` decides
+    the coming round when the draft is the only source, ``choose_sources``
+    when copies stand beside it; ``observe`` learns from a drafted round."""
 
     costs: CostCurve
     buckets: tuple
-    acceptance: np.ndarray  # [G] alpha_k, measured
-    observed: np.ndarray  # [G] rounds that measured slot k
+    rates: SlotRates
     plain_rounds: int = 0
     probe_interval: int = 1
 
     @classmethod
-    def start(cls, costs: CostCurve, buckets: tuple, max_drafts: int) -> "DraftGate":
-        # Untried slots count as always accepted, so the first rounds draft and measure.
-        return cls(costs, buckets, np.ones(max_drafts), np.zeros(max_drafts))
+    def start(cls, costs: CostCurve, buckets: tuple, max_drafts: int, rates: SlotRates | None = None) -> "DraftGate":
+        return cls(costs, buckets, rates if rates is not None else SlotRates.start(max_drafts))
+
+    @property
+    def acceptance(self) -> np.ndarray:
+        """``[G]`` the draft's alpha_k."""
+        return self.rates.acceptance[DRAFTED]
+
+    @property
+    def observed(self) -> np.ndarray:
+        return self.rates.observed[DRAFTED]
 
     def expected_speed(self) -> tuple[float, float]:
         """``(drafting, plain)`` tokens per second predicted for the next round."""
@@ -187,8 +310,12 @@ class DraftGate:
         return drafting, 1 / self.costs.verify[bucket_for(1, self.buckets)]
 
     def draft_next(self) -> bool:
-        drafting, plain = self.expected_speed()
-        if drafting > plain:
+        return self.decide(*self.expected_speed())
+
+    def decide(self, drafting: float, without: float) -> bool:
+        """Draft when that is predicted faster; otherwise probe after 1, 2,
+        4, ... up to ``PROBE_LIMIT`` rounds without it."""
+        if drafting > without:
             self.probe_interval = 1
             return True
         if self.plain_rounds >= self.probe_interval:
@@ -198,22 +325,18 @@ class DraftGate:
         self.plain_rounds += 1
         return False
 
+    def choose_sources(self, matches: np.ndarray, active: np.ndarray) -> tuple[bool, np.ndarray]:
+        """Whether the coming round drafts, and the rows that verify their
+        copy (``matches [B]``: the length of each row's matched ending, 0
+        without a copy). Reads finished rounds and the committed tokens only."""
+        speeds = source_speeds(self.rates, matches, active, self.costs, self.buckets, len(self.acceptance))
+        if self.decide(speeds.drafting, speeds.without):
+            return True, speeds.copying
+        return False, matches > 0
+
     def observe(self, accepted: np.ndarray, limits: np.ndarray, confidences: np.ndarray) -> None:
-        """A drafted round: row r verified ``limits[r]`` drafts and kept
-        ``accepted[r]``. Slot k counts for the rows that reached it (every
-        earlier slot accepted): verified, it was accepted or not; left
-        unverified by the plan, its draft confidence stands in for the
-        outcome (the plan cut it because that confidence was low)."""
-        for slot in range(len(self.acceptance)):
-            reached = accepted >= slot
-            count = int(reached.sum())
-            if not count:
-                continue
-            verified = limits > slot
-            outcome = np.where(verified, accepted > slot, confidences[:, slot])[reached]
-            self.observed[slot] += count
-            weight = max(ACCEPTANCE_EMA, count / self.observed[slot])
-            self.acceptance[slot] += weight * (float(outcome.mean()) - self.acceptance[slot])
+        """A drafted round (see ``SlotRates.observe_drafts``)."""
+        self.rates.observe_drafts(accepted, limits, confidences)
 
 
 def fastest_seconds(runs: dict, passes: int = 7) -> dict:

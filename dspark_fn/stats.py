@@ -5,9 +5,15 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator
 
 
+def source_name(source: str) -> str:
+    """A round's source as statistics name it ("" -> "none": nothing proposed)."""
+    return source or "none"
+
+
 @dataclass
 class Acceptance:
-    """Running totals; ``add`` one verify round at a time."""
+    """Running totals; ``add`` one verify round at a time (with its source,
+    also counted apart per source: see ``sources``)."""
 
     rounds: int = 0
     emitted: int = 0
@@ -16,8 +22,13 @@ class Acceptance:
     proposals: int = 0  # rounds that verified at least one draft
     slot_proposed: list = field(default_factory=list)
     slot_accepted: list = field(default_factory=list)
+    by_source: dict = field(default_factory=dict)  # source name -> Acceptance of its rounds
 
-    def add(self, emitted: int, accepted: int, drafted: int) -> None:
+    def add(self, emitted: int, accepted: int, drafted: int, source: str | None = None) -> None:
+        """One round: tokens emitted, proposals accepted and verified, and
+        where they came from ("draft", "copy", "": see ``Event.source``)."""
+        if source is not None:
+            self.by_source.setdefault(source_name(source), Acceptance()).add(emitted, accepted, drafted)
         self.rounds += 1
         self.emitted += emitted
         self.accepted += accepted
@@ -56,6 +67,32 @@ class Acceptance:
         """P(slot j accepted | slot j proposed), slot 0 first."""
         return [a / p if p else 0.0 for a, p in zip(self.slot_accepted, self.slot_proposed)]
 
+    def absorb(self, other: "Acceptance") -> "Acceptance":
+        """Add ``other``'s rounds to these totals (returns self)."""
+        self.rounds += other.rounds
+        self.emitted += other.emitted
+        self.accepted += other.accepted
+        self.drafted += other.drafted
+        self.proposals += other.proposals
+        grow = len(other.slot_proposed) - len(self.slot_proposed)
+        self.slot_proposed += [0] * max(grow, 0)
+        self.slot_accepted += [0] * max(grow, 0)
+        for slot, (proposed, kept) in enumerate(zip(other.slot_proposed, other.slot_accepted)):
+            self.slot_proposed[slot] += proposed
+            self.slot_accepted[slot] += kept
+        for name, part in other.by_source.items():
+            self.by_source.setdefault(name, Acceptance()).absorb(part)
+        return self
+
+    def sources(self) -> dict:
+        """Per source ("draft", "copy", "none"): its rounds, their share of
+        all rounds, tau and acceptance over them."""
+        return {
+            name: {"rounds": part.rounds, "share": part.rounds / self.rounds if self.rounds else 0.0,
+                   "tau": part.tau, "acceptance_rate": part.acceptance_rate}
+            for name, part in sorted(self.by_source.items())
+        }
+
     def summary(self) -> dict:
         return {
             "rounds": self.rounds,
@@ -64,7 +101,23 @@ class Acceptance:
             "verify_rate": self.verify_rate,
             "per_slot_acceptance": self.per_slot,
             "drafted_share": self.drafted_share,
+            "sources": self.sources(),
         }
+
+    def sources_line(self) -> str:
+        """The per-source statistics in one line of text."""
+        return ", ".join(
+            f"{name} {part['share']:.0%} of rounds (tau {part['tau']:.2f}, acceptance {part['acceptance_rate']:.0%})"
+            for name, part in self.sources().items()
+        )
+
+
+def combined(parts: Iterable[Acceptance]) -> Acceptance:
+    """The totals of several tallies (e.g. the requests of one reply)."""
+    total = Acceptance()
+    for part in parts:
+        total.absorb(part)
+    return total
 
 
 class DecodeClock:

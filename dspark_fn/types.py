@@ -51,6 +51,13 @@ class Proposal(NamedTuple):
     log_probs: mx.array  # [B, G, V] distribution each draft was drawn from (= logits when greedy)
 
 
+class Copies(NamedTuple):
+    """Copied continuations that rows verify in place of the draft's proposal."""
+
+    tokens: mx.array  # [B, W - 1] each copying row's copied tokens (any values in the other rows)
+    rows: mx.array  # [B] bool: the rows whose block is their copy
+
+
 class Round(NamedTuple):
     emitted: mx.array  # [B, W] accepted drafts then the target's token, -1 padded
     count: mx.array  # [B] number of emitted tokens (accepted + 1; 0 for an idle row)
@@ -70,6 +77,7 @@ class Event(NamedTuple):
     confidences: list
     row: int = 0
     width: int = 0  # verify width of the round (shared by the batch)
+    source: str = ""  # what the row verified: "draft", "copy", or "" (nothing: a plain target step)
 
 
 class Step(NamedTuple):
@@ -81,5 +89,5 @@ class Step(NamedTuple):
     drafted: list  # per row: the drafts it verified
     confidences: list
     width: int
-
+    sources: list  # per row: "draft", "copy" or "" (see ``Event.source``)
 

@@ -4,15 +4,12 @@ DSpark output equals mlx-lm's greedy decoding of the very same quantized model.
 
 Breaks tried, and the tests that catch them:
 - ``quantize_target`` quantizing every module whatever its width (plain
-  ``nn.quantize``): test_quant_target_matches_mlx_lm_convert[4/8-lfm2/qwen3_5]
-  (mx.quantize refuses lfm2's 96-wide w2 and qwen3_5's 32-wide delta-net out_proj);
+  ``nn.quantize``): test_quant_target_matches_mlx_lm_convert[lfm2-* / qwen3_5-* / qwen3_5_moe-*]
+  (lfm2's 96-wide w2 and qwen3_5's 32-wide delta-net out_proj cannot be grouped by 64);
 - ``quantize_target`` returning mlx-lm's multimodal wrapper tree (no unwrap of
-  ``language_model``): test_quant_target_matches_mlx_lm_convert[4/8-qwen3_5];
-- the model's ``quant_predicate`` ignored (MoE routers at the default bits
-  instead of 8): test_quant_target_matches_mlx_lm_convert on a qwen3_5_moe
-  target (tried once, not kept: the four variants add time, the rule is the same);
-- the delta-net conv window shifted by one / the lfm2 conv state not advanced in
-  prefill: test_quant_target_matches_mlx_lm_convert[*-qwen3_5 / *-lfm2] (greedy).
+  ``language_model``): test_quant_target_matches_mlx_lm_convert[qwen3_5-* / qwen3_5_moe-*];
+- the model's ``quant_predicate`` ignored (MoE routers at the default bits,
+  not 8): test_quant_target_matches_mlx_lm_convert[qwen3_5_moe-4 / qwen3_5_moe-8].
 """
 
 import json
@@ -37,7 +34,7 @@ FAMILIES = {
     "qwen3": target_config("qwen3", vocab=256, hidden=64, layers=4, heads=4, kv_heads=2, head_dim=16),
     "gemma4": gemma4_config(window=8, tied=True, vocab=256),
 }
-HYBRIDS = {name: HYBRID_SHAPES[name] for name in ("lfm2", "qwen3_5")}
+HYBRIDS = {name: HYBRID_SHAPES[name] for name in ("lfm2", "qwen3_5", "qwen3_5_moe")}  # the last: 8-bit routers
 # (group size, bits) per module kind; None keeps it in float, as mixed conversions do
 LAYOUTS = {
     "4-bit g64": dict(default=(64, 4)),
@@ -157,4 +154,3 @@ def test_quant_target_matches_mlx_lm_convert(any_family, bits, tmp_path):
     for event in dspark_fn.generate(pair, prompts, 40, width=None):
         rows[event.row] += event.emitted
     assert rows == [mlx_lm_greedy(model, prompt, 40) for prompt in prompts]
-    print("VARIETY", name, bits, [len(set(r)) for r in rows])

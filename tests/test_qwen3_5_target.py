@@ -40,7 +40,7 @@ from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 from mlx_lm.models.cache import make_prompt_cache
 
 from dspark_fn.cache import settle
-from dspark_fn.checkpoints import load_target
+from dspark_fn.checkpoints import load_target, mlx_lm_model
 from dspark_fn.targets import qwen3_5
 from helpers import TargetRunner, build_target, random_prompt
 from hybrids import HYBRID_SHAPES
@@ -183,6 +183,10 @@ def test_a_release_loads_as_its_text_model(target):
     assert adapter is qwen3_5.ADAPTER
     assert text["model_type"] == "qwen3_5_text" and "text_config" not in text
     assert sorted(params) == ["lm_head", "model"]
+    # mlx-lm has no qwen3_5_text module: its own model of the text config (what
+    # --quant-target and the side-by-side baselines build) comes from the release's
+    tokens = mx.array([[3, 1, 4, 1, 5]])
+    assert mx.array_equal(mlx_lm_model(text, params)(tokens), model(tokens))
 
 
 def bad(**changes) -> dict:

@@ -16,6 +16,11 @@
 A check fails when p < 1e-5: the file runs about a hundred checks, so a
 correct sampler fails a run with probability about 0.1%. The broken
 samplers at the end are rejected at p < 1e-6 by the same checks.
+
+The draft's cases propose from the draft alone; two cases verify copies of
+the context (point-mass proposals): copies alone under top-k/top-p (a
+copied token the filters exclude is never kept), and copies and drafts
+chosen row by row in one batch.
 """
 
 import importlib
@@ -113,19 +118,27 @@ def exact_first_three(model, sampling: Sampling) -> np.ndarray:
     return first[:, None, None] * second[:, :, None] * third
 
 
-def sampled_streams(params, sampling: Sampling, seed: int, **kwargs) -> tuple[np.ndarray, set]:
-    """``[SAMPLES, TOKENS]`` emitted tokens, and the verify widths the rounds used."""
+def sampled_streams(params, sampling: Sampling, seed: int, **kwargs) -> tuple[np.ndarray, set, int]:
+    """``[SAMPLES, TOKENS]`` emitted tokens, the verify widths the rounds
+    used, and the number of rounds in which some rows verified a copy and
+    others the draft."""
     streams = [[] for _ in range(SAMPLES)]
     events = dspark_fn.generate(
         params, [PROMPT] * SAMPLES, TOKENS, sampling=sampling, seed=seed, capacity=24, **kwargs
     )
-    widths = set()
+    widths, sources, mixed, previous = set(), set(), 0, SAMPLES
     for event in events:
         streams[event.row] += event.emitted
         widths.add(event.width)
+        if event.kind == "round":
+            if event.row <= previous:  # rows come in order within a round
+                mixed += {"copy", "draft"} <= sources
+                sources = set()
+            sources.add(event.source)
+            previous = event.row
     outcomes = np.array(streams)
     assert outcomes.shape == (SAMPLES, TOKENS)
-    return outcomes, widths - {0}
+    return outcomes, widths - {0}, mixed + ({"copy", "draft"} <= sources)
 
 
 def first_three_counts(outcomes: np.ndarray) -> np.ndarray:
@@ -202,21 +215,32 @@ def chi_square_p_value(observed: np.ndarray, probs: np.ndarray) -> float:
     return chi_square_survival(statistic, len(bins_e) - 1)
 
 
-WHOLE_BLOCK = dict(width=None)
+WHOLE_BLOCK = dict(width=None, proposals="draft")
 CASES = {
     "good draft": ("good", Sampling(1.0), WHOLE_BLOCK),
     "bad draft": ("bad", Sampling(1.0), WHOLE_BLOCK),
     "flat draft": ("flat", Sampling(1.0), WHOLE_BLOCK),
     "top-k top-p": ("good", Sampling(0.8, top_k=6, top_p=0.9), WHOLE_BLOCK),
     # a cost curve under which Algorithm 1 picks intermediate widths
-    "auto width": ("good", Sampling(1.0), dict(width="auto", costs=CostCurve(0.5, {1: 1.0, 2: 1.1, 3: 1.2, 4: 1.5}))),
+    "auto width": (
+        "good", Sampling(1.0),
+        dict(width="auto", costs=CostCurve(0.5, {1: 1.0, 2: 1.1, 3: 1.2, 4: 1.5}), proposals="draft"),
+    ),
     # a slot is nearly free to verify but the draft costs half a step: the
     # gate drafts the first round, sees the bad draft rejected, and declines
-    "auto declines to draft": ("bad", Sampling(1.0), dict(costs=CostCurve(0.5, {1: 1.0, 2: 1.02, 3: 1.4, 4: 1.5}))),
+    "auto declines to draft": (
+        "bad", Sampling(1.0), dict(costs=CostCurve(0.5, {1: 1.0, 2: 1.02, 3: 1.4, 4: 1.5}), proposals="draft"),
+    ),
     "confidence threshold": ("good", Sampling(1.0), dict(WHOLE_BLOCK, confidence_threshold=0.2)),
     # the draft proposes from half the vocabulary; the residual covers the rest
     "reduced vocabulary": ("reduced", Sampling(1.0), WHOLE_BLOCK),
     "reduced vocabulary top-k": ("reduced", Sampling(0.7, top_k=5), WHOLE_BLOCK),
+    # copies only: point masses, some on tokens the filters exclude
+    "copies, top-k top-p": ("good", Sampling(0.8, top_k=6, top_p=0.9), dict(width=None, proposals="copy")),
+    # the default: each round, each row its copy or the draft, the width by Algorithm 1 over both
+    "copies and drafts in one batch": (
+        "good", Sampling(1.0), dict(width="auto", costs=CostCurve(0.5, {1: 1.0, 2: 1.1, 3: 1.2, 4: 1.5})),
+    ),
 }
 
 
@@ -229,12 +253,12 @@ def sampled(request):
     target, case = request.param
     model, pairs = target_models(request, target)
     draft, sampling, kwargs = CASES[case]
-    outcomes, widths = sampled_streams(pairs[draft], sampling, seed=len(case), **kwargs)
-    return case, model, sampling, outcomes, widths
+    outcomes, widths, mixed = sampled_streams(pairs[draft], sampling, seed=len(case), **kwargs)
+    return case, model, sampling, outcomes, widths, mixed
 
 
 def test_first_three_tokens_match_target_sampling(sampled):
-    case, model, sampling, outcomes, _ = sampled
+    case, model, sampling, outcomes, _, _ = sampled
     probs = exact_first_three(model, sampling)
     counts = first_three_counts(outcomes)
     assert counts[probs.ravel() == 0].sum() == 0, "emitted a token the filters exclude"
@@ -243,9 +267,11 @@ def test_first_three_tokens_match_target_sampling(sampled):
 
 
 def test_every_position_matches_target_sampling(sampled):
-    case, model, sampling, outcomes, widths = sampled
+    case, model, sampling, outcomes, widths, mixed = sampled
     if case == "auto declines to draft":
         assert 1 in widths and max(widths) > 1, widths  # rounds with and without a draft
+    if case == "copies and drafts in one batch":
+        assert mixed, "no round verified copies and drafts side by side"
     pit = pit_values(model, outcomes, sampling, seed=len(case))
     for position in range(TOKENS):
         p_value = uniform_p_value(pit[:, position])
@@ -319,6 +345,12 @@ def unfiltered_draft_distribution(logits, rows, mode):
     return log_probs(logits, rows, Mode(mode.greedy, mode.sampled))
 
 
+def blind_copy(tokens, vocab_size):
+    """Copies accepted without checking the target: a copied token's log q
+    is -inf, so ``log u < log p - log q`` always holds."""
+    return mx.full((*tokens.shape, vocab_size), -mx.inf)
+
+
 def last_state_kept(entry, count):
     """No rollback: a recurrent layer keeps the state after every verified token."""
     if isinstance(entry, CACHE.PendingStates):
@@ -337,7 +369,9 @@ BROKEN = {
         "good", Sampling(0.8, top_k=6, top_p=0.9), DRIVER, "log_probs", unfiltered_draft_distribution,
     ),
     "recurrent state not rolled back": ("good", Sampling(1.0), CACHE, "settle_entry", last_state_kept),
+    "copy accepted without checking the target": ("good", Sampling(1.0), DRIVER, "point_mass", blind_copy),
 }
+PROPOSALS_OF = {"copy accepted without checking the target": "copy"}  # the others break the draft's rounds
 CONTROLS = [("qwen3", name) for name in sorted(BROKEN) if name != "recurrent state not rolled back"] + [
     ("hybrid", name) for name in ("accepts every draft", "no residual, good draft", "recurrent state not rolled back")
 ]
@@ -357,7 +391,9 @@ def test_the_harness_rejects_broken_samplers(request, monkeypatch, target, name)
     monkeypatch.setattr(module, attribute, broken)
     clear_kernels()
     try:
-        outcomes, _ = sampled_streams(pairs[draft], sampling, seed=len(name), width=None)
+        outcomes, _, _ = sampled_streams(
+            pairs[draft], sampling, seed=len(name), width=None, proposals=PROPOSALS_OF.get(name, "draft")
+        )
     finally:
         monkeypatch.undo()
         clear_kernels()

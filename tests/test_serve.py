@@ -1,5 +1,15 @@
 """``dspark serve`` through a real client: the ``openai`` package against a server this module starts
-(and a second one serving a tiny hybrid target: recurrent layers beside attention)."""
+(and, per hybrid family, one serving a tiny hybrid target: recurrent layers beside attention).
+
+Breaks tried, and the tests that catch them:
+- a finished row storing its cache under every committed token even when the
+  last round went past the reply (the engine without ``with_states``): the
+  stored recurrent state then serves no follow-up,
+  test_hybrid_conversation_resumes_from_its_stored_state[lfm2 / qwen3_5];
+- that row keeping the length from before the round but the recurrent states
+  after it (``with_states`` leaving the entries as they are): the same test
+  (the second answer differs from mlx-lm's).
+"""
 
 import json
 import os
@@ -14,6 +24,8 @@ from contextlib import contextmanager
 import urllib.error
 import urllib.request
 
+import mlx.core as mx
+import numpy as np
 import pytest
 
 import dspark_fn
@@ -50,7 +62,7 @@ def pair(tmp_path_factory):
 
 
 @contextmanager
-def running_server(root, max_batch: int):
+def running_server(root, max_batch: int, verify: str | int = "auto"):
     """``dspark serve`` of ``root/target`` + ``root/draft``: ``(base url, process, log)``;
     stopped on leaving, whatever happened (killed if SIGTERM does not end it)."""
     with socket.socket() as probe:
@@ -59,7 +71,8 @@ def running_server(root, max_batch: int):
     log = root / "server.log"
     process = subprocess.Popen(
         [sys.executable, "-m", "dspark_fn.cli", "serve", "--model", str(root / "target"), "--draft", str(root / "draft"),
-         "--port", str(port), "--max-batch", str(max_batch), "--max-context", "512", "--dtype", "float32"],
+         "--port", str(port), "--max-batch", str(max_batch), "--max-context", "512", "--dtype", "float32",
+         "--verify", str(verify)],
         stdout=log.open("w"), stderr=subprocess.STDOUT, env=dict(os.environ, DSPARK_FN_CACHE=str(root / "costs")),
     )
     try:
@@ -294,43 +307,62 @@ def test_prompts_are_not_logged_and_sigterm_stops_cleanly(server, client):
 
 # ---- a hybrid target: recurrent states in the batch and in the prompt cache
 
-HYBRID_NEW_TOKENS = 24
+HYBRID_NEW_TOKENS = 21
+# first-turn lengths whose last round commits accepted drafts past the reply (asserted below)
+FIRST_TURN = {"lfm2": 22, "qwen3_5": 21}
+OPENING = "tell me about the lazy dog and the quick brown fox"
+
+
+def memorising_draft(directory, config: dict, stream: list) -> None:
+    """A draft whose Markov head knows ``stream`` by heart: after each of its
+    tokens it proposes the next one (right all along that stream, as a
+    trained draft often is, and wrong elsewhere)."""
+    vocab, last = config["vocab_size"], config["num_hidden_layers"] - 1
+    build_draft(directory, hybrid_draft_config(config, layers=1, taps=(0, last - 1), block_size=4, markov_rank=vocab),
+                seed=1)
+    table = np.zeros((vocab, vocab), np.float32)
+    for token, following in zip(stream, stream[1:]):
+        table[token] = 0.0
+        table[token, following] = 1e4  # far above any logit of the random draft
+    weights = mx.load(str(directory / "model.safetensors"))
+    weights["markov_head.markov_w1.weight"] = mx.eye(vocab)
+    weights["markov_head.markov_w2.weight"] = mx.array(table.T)
+    mx.save_safetensors(str(directory / "model.safetensors"), weights)
 
 
 @pytest.fixture(scope="module", params=["lfm2", "qwen3_5"])
 def hybrid(request, tmp_path_factory):
-    """A served tiny hybrid pair (a chat tokenizer, a random draft), mlx-lm's
-    model of its target, and its tokenizer."""
+    """A tiny hybrid pair served at verify width 4 (a chat tokenizer; the
+    draft knows the target's answer to ``OPENING``), mlx-lm's model of its
+    target, and its tokenizer."""
     root = tmp_path_factory.mktemp(request.param)
     config = dict(HYBRID_SHAPES[request.param], vocab_size=320)
     model = build_target(root / "target", config, seed=3, vector_spread=0.4)
     qwen_tokenizer(root / "target")
-    last = config["num_hidden_layers"] - 1
-    build_draft(root / "draft", hybrid_draft_config(config, layers=1, taps=(0, last - 1), block_size=4), seed=1)
-    with running_server(root, max_batch=2) as (base, _, _):
-        yield openai.OpenAI(base_url=base + "/v1", api_key="unused"), base, model, load_tokenizer(root / "target"), root
+    tokenizer = load_tokenizer(root / "target")
+    opening = chat_tokens(tokenizer, OPENING)
+    memorising_draft(root / "draft", config, opening + mlx_lm_greedy(model, opening, 2 * HYBRID_NEW_TOKENS))
+    with running_server(root, max_batch=2, verify=4) as (base, _, _):
+        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", timeout=120, max_retries=0)
+        yield client, base, model, tokenizer, str(root / "target"), FIRST_TURN[request.param]
 
 
-def hybrid_reference(model, tokenizer, prompt: list, max_tokens: int) -> str:
-    """mlx-lm's greedy text for ``prompt``, cut after the first stop token as the server cuts it."""
+def greedy_reply(model, tokenizer, prompt: list, max_tokens: int) -> list:
+    """mlx-lm's greedy reply to ``prompt``, cut after a stop token as the server cuts it."""
     tokens, stops = mlx_lm_greedy(model, prompt, max_tokens), set(stop_tokens(tokenizer))
-    end = next((i + 1 for i, t in enumerate(tokens) if t in stops), len(tokens))
-    return detokenized(tokenizer, tokens[:end])
-
-
-def hybrid_chat(client, root, messages: list):
-    return client.chat.completions.create(model=str(root / "target"), messages=messages,
-                                          max_tokens=HYBRID_NEW_TOKENS, temperature=0)
+    return tokens[: next((i + 1 for i, t in enumerate(tokens) if t in stops), len(tokens))]
 
 
 def test_hybrid_concurrent_requests_equal_mlx_lm_greedy(hybrid):
-    """Two requests decoded together in one batch of two rows, each as mlx-lm alone."""
-    client, base, model, tokenizer, root = hybrid
+    """Two chats decoded together in one batch of two rows, each as mlx-lm alone."""
+    client, base, model, tokenizer, name, _ = hybrid
     texts = ["hello world", "the lazy dog jumps over the quick brown fox"]
     replies, batches = [None, None], set()
 
     def ask(i):
-        replies[i] = hybrid_chat(client, root, [{"role": "user", "content": texts[i]}]).choices[0].message.content
+        reply = client.chat.completions.create(model=name, messages=[{"role": "user", "content": texts[i]}],
+                                               max_tokens=HYBRID_NEW_TOKENS, temperature=0)
+        replies[i] = reply.choices[0].message.content
 
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
     for t in threads:
@@ -338,23 +370,26 @@ def test_hybrid_concurrent_requests_equal_mlx_lm_greedy(hybrid):
     while any(t.is_alive() for t in threads):
         batches.add(get_json(base + "/health")["batch"])
     for t in threads:
-        t.join(timeout=120)
-    prompts = [chat_tokens(tokenizer, text) for text in texts]
-    assert replies == [hybrid_reference(model, tokenizer, p, HYBRID_NEW_TOKENS) for p in prompts]
+        t.join()
+    expected = [greedy_reply(model, tokenizer, chat_tokens(tokenizer, text), HYBRID_NEW_TOKENS) for text in texts]
+    assert replies == [detokenized(tokenizer, tokens) for tokens in expected]
     assert max(batches) == 2
 
 
 def test_hybrid_conversation_resumes_from_its_stored_state(hybrid):
-    """The second turn of a conversation starts from the first turn's stored
-    recurrent states (a prompt cache hit) and answers as mlx-lm does from scratch."""
-    client, base, model, tokenizer, root = hybrid
-    first = [{"role": "user", "content": "tell me about the lazy dog and the quick brown fox"}]
-    answer = hybrid_chat(client, root, first)
-    second = first + [{"role": "assistant", "content": answer.choices[0].message.content},
-                      {"role": "user", "content": "and the world?"}]
-    reply = hybrid_chat(client, root, second)
-    print("CACHED", reply.usage.prompt_tokens_details.cached_tokens, reply.usage.prompt_tokens, answer.choices[0].finish_reason)
-    assert reply.model_extra["dspark"]["prompt_cache_hit"]
-    assert reply.usage.prompt_tokens_details.cached_tokens > len(chat_tokens(tokenizer, first[0]["content"]))
-    prompt = list(tokenizer.apply_chat_template(second, add_generation_prompt=True))
-    assert reply.choices[0].message.content == hybrid_reference(model, tokenizer, prompt, HYBRID_NEW_TOKENS)
+    """The second turn of a conversation (as token ids: the first prompt, the
+    reply as sent, a new user turn) starts from the first turn's stored
+    recurrent states and answers as mlx-lm does from scratch. The first
+    turn's last round committed drafts past the reply: what is stored is the
+    state before that round."""
+    client, base, model, tokenizer, name, first_turn = hybrid
+    opening = chat_tokens(tokenizer, OPENING)
+    answer = client.completions.create(model=name, prompt=opening, max_tokens=first_turn, temperature=0)
+    reply = greedy_reply(model, tokenizer, opening, first_turn)
+    assert answer.choices[0].text == detokenized(tokenizer, reply)
+    assert answer.model_extra["dspark"]["acceptance_rate"] > 0.5  # the draft knows this answer
+    follow_up = opening + reply + chat_tokens(tokenizer, "and the world?")
+    second = client.completions.create(model=name, prompt=follow_up, max_tokens=HYBRID_NEW_TOKENS, temperature=0)
+    assert second.model_extra["dspark"]["prompt_cache_hit"]
+    assert len(opening) < second.usage.prompt_tokens_details.cached_tokens < len(opening) + len(reply)
+    assert second.choices[0].text == detokenized(tokenizer, greedy_reply(model, tokenizer, follow_up, HYBRID_NEW_TOKENS))

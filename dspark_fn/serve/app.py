@@ -6,6 +6,11 @@ with a 4xx status, and the server keeps serving. Streams are server-sent
 events in OpenAI's chunk format ending with ``data: [DONE]``; a client that
 goes away cancels its request, which frees its row at the next round.
 Prompt text is never logged.
+
+A failure of the decoding engine ends each request in its batch with a 500
+(code ``engine_failure``; a stream gets an error event, then ends), and
+``/health`` answers 503 until the engine runs again; an engine that cannot
+start again shuts the server down (``serve`` returns 1).
 """
 
 import asyncio
@@ -15,12 +20,14 @@ import time
 import uuid
 from dataclasses import dataclass
 
+import uvicorn
 from fastapi import FastAPI, Request as HttpRequest
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..evaluate import stop_tokens as tokenizer_stop_tokens
 from ..sampling import Sampling
-from .engine import Engine, Request
+from ..stats import combined
+from .engine import Engine, EngineFailure, Request
 
 
 class ApiError(Exception):
@@ -29,9 +36,18 @@ class ApiError(Exception):
         super().__init__(message)
         self.message, self.param, self.status, self.code, self.kind = message, param, status, code, kind
 
+    @property
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
     def response(self) -> JSONResponse:
-        body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
-        return JSONResponse(body, status_code=self.status)
+        return JSONResponse(self.body, status_code=self.status)
+
+
+def server_error(error: Exception) -> ApiError:
+    """A request that failed after it was accepted: a 500."""
+    code = "engine_failure" if isinstance(error, EngineFailure) else None
+    return ApiError(str(error), status=500, code=code, kind="server_error")
 
 
 @dataclass(frozen=True)
@@ -156,7 +172,7 @@ class Api:
         while True:
             kind, value = await asyncio.to_thread(request.events.get)
             if kind == "error":
-                raise RuntimeError(value)
+                raise EngineFailure(f"the decoding engine failed: {value}")
             if kind == "done":
                 detokenizer.finalize()
                 yield detokenizer.text[sent:], {"cancelled": "stop"}.get(value, value)
@@ -190,6 +206,7 @@ class Api:
             "acceptance_rate": accepted / drafted if drafted else 0.0,
             "rounds": count,
             "prompt_cache_hit": any(r.cached_tokens for r in requests),
+            "sources": combined(rounds).sources(),
         }
 
     def envelope(self, job: Job, ident: str, created: int, chunk: bool) -> dict:
@@ -207,11 +224,15 @@ class Api:
         requests = self.submit(job)
         created, ident = int(time.time()), f"{'chatcmpl' if job.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         choices = []
-        for index, request in enumerate(requests):
-            text, finish = "", None
-            async for piece, finish in self.pieces(job, request):
-                text += piece
-            choices.append(self.choice(job, index, text, finish, chunk=False))
+        try:
+            for index, request in enumerate(requests):
+                text, finish = "", None
+                async for piece, finish in self.pieces(job, request):
+                    text += piece
+                choices.append(self.choice(job, index, text, finish, chunk=False))
+        finally:  # a failed choice, or a client gone: the others free their rows too
+            for request in requests:
+                request.cancel()
         usage, stats = self.usage(job, requests)
         return self.envelope(job, ident, created, False) | {"choices": choices, "usage": usage, "dspark": stats}
 
@@ -238,7 +259,7 @@ class Api:
             while finished < job.n:
                 index, piece, finish = await merged.get()
                 if finish == "error":
-                    yield sse({"error": {"message": str(piece), "type": "server_error", "param": None, "code": None}})
+                    yield sse(server_error(piece).body)
                     return
                 finished += finish is not None
                 choice = self.choice(job, index, piece, finish, chunk=True)
@@ -275,6 +296,8 @@ def create_app(engine: Engine, tokenizer, model_name: str) -> FastAPI:
             return JSONResponse(await api.complete(job))
         except ApiError as error:
             return error.response()
+        except EngineFailure as error:
+            return server_error(error).response()
         except ValueError as error:  # raised by the engine or sampling checks
             return ApiError(str(error)).response()
         except RuntimeError as error:
@@ -294,6 +317,9 @@ def create_app(engine: Engine, tokenizer, model_name: str) -> FastAPI:
 
     @app.get("/health")
     async def health():
+        if engine.failure is not None:  # starting again after a failure, or dead
+            status = "failed" if engine.dead else "restarting"
+            return JSONResponse({"status": status, "error": engine.failure}, status_code=503)
         return {"status": "ok", **engine.stats()}
 
     @app.on_event("shutdown")
@@ -301,3 +327,26 @@ def create_app(engine: Engine, tokenizer, model_name: str) -> FastAPI:
         engine.close()
 
     return app
+
+
+class Server(uvicorn.Server):
+    """uvicorn in front of an engine: SIGINT/SIGTERM end the requests in
+    flight, then it shuts down; so does an engine that cannot start again."""
+
+    def __init__(self, config: uvicorn.Config, engine: Engine):
+        super().__init__(config)
+        self.engine = engine
+
+    def handle_exit(self, sig, frame):
+        self.engine.cancel_all()
+        super().handle_exit(sig, frame)
+
+    async def on_tick(self, counter: int) -> bool:
+        return self.engine.dead or await super().on_tick(counter)
+
+
+def serve(engine: Engine, tokenizer, model_name: str, host: str, port: int) -> int:
+    """Serve until a signal (returns 0) or an engine that cannot start again (returns 1)."""
+    app = create_app(engine, tokenizer, model_name)
+    Server(uvicorn.Config(app, host=host, port=port, log_level="warning"), engine).run()
+    return 1 if engine.dead else 0

@@ -8,17 +8,33 @@ matches) and frees the rows of finished or cancelled requests; every round
 advances all active rows at once. Each row keeps its own sampling settings
 and seed. Requests talk to the thread through queues only, so the web
 server never touches MLX.
+
+A finished row's cache is kept for the conversation's next turn. A round
+may commit tokens past the reply's end (drafts accepted beyond the budget
+or a stop token) that the client never sees, so its next turn does not
+repeat them: attention slots serve any shorter prefix, but a recurrent
+state holds only after every committed token, so such a row keeps the
+recurrent states it had before that round instead.
+
+The thread is supervised: an exception inside it (in a round, a prefill)
+ends each request in the batch with an ``("error", message)`` event,
+``failure`` names it until the engine runs again, and the engine starts
+again with an empty batch (and an empty prompt cache: nothing built before
+the failure is trusted); waiting requests are then served. An engine that
+cannot start again is ``dead``: every request ends with the failure, new
+ones are refused, and the server is to exit.
 """
 
 import queue
 import threading
+import traceback
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from ..cache import Cache, map_slots
+from ..cache import Cache, is_recurrent, map_slots
 from ..sampling import GREEDY, Sampling
 from ..driver import Decoder
 from ..rounds import capacity_for
@@ -51,6 +67,11 @@ class Request:
         return self._cancelled.is_set()
 
 
+class EngineFailure(RuntimeError):
+    """The decoding engine failed while the request was in its batch: the
+    request is lost, the server goes on."""
+
+
 def common_prefix(a: list, b: list) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
@@ -59,6 +80,22 @@ def shrink(cache: Cache, capacity: int) -> Cache:
     """A one-row cache cut to ``capacity`` slots (a stored prefix keeps only what it holds)."""
     cut = lambda a: a[:, :, :capacity]  # noqa: E731
     return Cache(map_slots(cut, cache.target), map_slots(cut, cache.draft), cache.length, cache.seeds)
+
+
+def recurrent_states(cache: Cache) -> list:
+    """Per target layer: a recurrent layer's state entry (every row), else None."""
+    return [entry if is_recurrent(entry) else None for entry in cache.target]
+
+
+def with_states(cache: Cache, states: list, row: int, length: int) -> Cache:
+    """A one-row ``cache`` whose recurrent entries are row ``row`` of
+    ``states``, committed ``length`` tokens: its slots at earlier positions
+    are the same at any later round, so it is that row's cache back then."""
+    target = [
+        {name: value[row : row + 1] for name, value in state.items()} if state is not None else entry
+        for entry, state in zip(cache.target, states)
+    ]
+    return cache._replace(target=target, length=mx.array([length], mx.int32))
 
 
 class PromptCache:
@@ -125,6 +162,8 @@ class Engine:
         self.rows: dict = {}  # row -> (request, every token in the row: prompt + generated)
         self.wake = threading.Condition()
         self.stopping = False
+        self.failure: str | None = None  # the last failure, until the engine runs again
+        self.dead = False  # failed and could not start again
         # MLX evaluates an array on the thread that built it: materialise the
         # weights here, and let the engine thread build all decoding state.
         mx.eval(params.target, params.draft)
@@ -145,7 +184,8 @@ class Engine:
             )
         with self.wake:
             if self.stopping:
-                raise RuntimeError("the engine is shutting down")
+                raise RuntimeError(f"the decoding engine stopped after a failure: {self.failure}" if self.dead
+                                   else "the engine is shutting down")
             self.waiting.append(request)
             self.wake.notify()
         return request
@@ -176,12 +216,39 @@ class Engine:
 
     def _run(self, decoder_options: dict, started: threading.Event) -> None:
         try:
-            self.decoder = Decoder(self.params, 1, **decoder_options)
-            for batch in sorted({running_batch(n, self.max_batch) for n in range(1, self.max_batch + 1)}):
-                self.decoder.resize(batch)  # each size's cost curve now, not in the middle of a request
-            self.decoder.resize(1)
+            self._start_decoder(decoder_options)
         finally:
             started.set()
+        try:
+            while self._decode():  # it failed: start again with an empty batch
+                self._start_decoder(decoder_options)
+                self.failure = None
+        except Exception as error:  # it cannot start again
+            self.failure = f"{self.failure}; starting again failed with {type(error).__name__}: {error}"
+            self.dead = True
+            traceback.print_exc()
+        finally:
+            with self.wake:  # the thread ends: nothing more is queued for it
+                self.stopping = True
+                ended = [r for r, _ in self.rows.values()] + list(self.waiting)
+                self.waiting.clear()
+            for request in ended:
+                request.events.put(("error", self.failure) if self.dead else ("done", "cancelled"))
+
+    def _start_decoder(self, options: dict) -> None:
+        """A decoder with an empty batch (and an empty prompt cache: after a
+        failure, nothing built before it is trusted); each batch size's cost
+        curve now, not in the middle of a request."""
+        decoder = Decoder(self.params, 1, **options)
+        for batch in sorted({running_batch(n, self.max_batch) for n in range(1, self.max_batch + 1)}):
+            decoder.resize(batch)
+        decoder.resize(1)
+        self.decoder, self.rows = decoder, {}
+        self.prompt_cache.entries.clear()
+
+    def _decode(self) -> bool:
+        """Decode until the engine stops (False) or fails (True): a failure
+        ends each request in the batch with its message, never silently."""
         try:
             while self._wait_for_work():
                 self._fit_batch()
@@ -189,13 +256,14 @@ class Engine:
                 if self.rows:
                     self._round()
                     self._fit_batch()  # rows that left: the next round, or the idle wait, runs smaller
-        except Exception as error:  # a failure ends every request with its message, never silently
-            for request in [r for r, _ in self.rows.values()] + list(self.waiting):
-                request.events.put(("error", f"{type(error).__name__}: {error}"))
-            raise
-        finally:
-            for request in [r for r, _ in self.rows.values()] + list(self.waiting):
-                request.events.put(("done", "cancelled"))
+            return False
+        except Exception as error:
+            self.failure = f"{type(error).__name__}: {error}"
+            traceback.print_exc()  # for the operator: code and messages, never a prompt
+            for request, _ in self.rows.values():
+                request.events.put(("error", self.failure))
+            self.rows = {}
+            return True
 
     def _wait_for_work(self) -> bool:
         with self.wake:
@@ -221,28 +289,31 @@ class Engine:
             row = free.pop(0)
             if not self.rows:  # alone in the batch: start from a fresh policy, so runs repeat
                 self.decoder.reset_policy()
+            self.rows[row] = (request, list(request.prompt))  # in the batch from here: a failure ends it too
             prefix = self.prompt_cache.lookup(request.prompt)
             request.cached_tokens = int(prefix.length.item()) if prefix is not None else 0
             [token] = self.decoder.insert([row], [request.prompt], sampling=request.sampling, seeds=[request.seed],
                                           prefix=prefix)
-            self.rows[row] = (request, list(request.prompt) + [token])
+            self.rows[row][1].append(token)
             self._deliver(row, [token])
 
     def _round(self) -> None:
+        before = (self.decoder.committed.copy(), recurrent_states(self.decoder.cache))
         step = self.decoder.step()
         for i, row in enumerate(step.rows):
             if row in self.rows:
                 request, tokens = self.rows[row]
                 tokens += step.emitted[i]
-                request.acceptance.add(len(step.emitted[i]), step.accepted[i], len(step.drafted[i]))
-                self._deliver(row, step.emitted[i])
+                request.acceptance.add(len(step.emitted[i]), step.accepted[i], len(step.drafted[i]), step.sources[i])
+                self._deliver(row, step.emitted[i], before)
 
-    def _deliver(self, row: int, emitted: list) -> None:
+    def _deliver(self, row: int, emitted: list, before: tuple | None = None) -> None:
         """Hand a row's new tokens to its request, cut at a stop token or the
-        budget; free the row when the request is finished or cancelled."""
+        budget; free the row when the request is finished or cancelled.
+        ``before``: the committed counts and recurrent states before this round."""
         request, tokens = self.rows[row]
         if request.cancelled:
-            return self._finish(row, "cancelled")
+            return self._finish(row, "cancelled", before)
         kept = emitted[: request.max_tokens - request.produced]
         stop = next((i for i, t in enumerate(kept) if t in request.stop_tokens), None)
         if stop is not None:
@@ -251,13 +322,18 @@ class Engine:
         if kept:
             request.events.put(("tokens", kept))
         if stop is not None:
-            self._finish(row, "stop")
+            self._finish(row, "stop", before)
         elif request.produced >= request.max_tokens:
-            self._finish(row, "length")
+            self._finish(row, "length", before)
 
-    def _finish(self, row: int, reason: str) -> None:
-        request, tokens = self.rows.pop(row)
-        committed = int(self.decoder.committed[row])
-        self.prompt_cache.store(tokens[:committed], self.decoder.row_cache(row))
+    def _finish(self, row: int, reason: str, before: tuple | None = None) -> None:
+        request, tokens = self.rows[row]  # it leaves the batch last: a failure on the way still ends it
+        committed, cache = int(self.decoder.committed[row]), self.decoder.row_cache(row)
+        seen = len(request.prompt) + request.produced
+        if cache.recurrent and committed > seen and before is not None:  # the round went past the reply
+            committed = int(before[0][row])
+            cache = with_states(cache, before[1], row, committed)
+        self.prompt_cache.store(tokens[:committed], cache)
         self.decoder.release(row)
+        del self.rows[row]
         request.events.put(("done", reason))
