@@ -17,7 +17,7 @@ that depends on how many draft tokens were accepted.
 from typing import Any, NamedTuple
 
 import mlx.core as mx
-from mlx.utils import tree_flatten, tree_map
+from mlx.utils import tree_map
 
 
 class Cache(NamedTuple):
@@ -111,14 +111,10 @@ def map_slots(fn, tree, *others):
     return tree_map(lambda x, *rest: x if is_recurrent(x) else fn(x, *rest), tree, *others, is_leaf=is_recurrent)
 
 
-def slot_buffers(tree) -> list:
-    """The arrays of a cache tree that hold slots (every one but recurrent states)."""
-    return [x for _, x in tree_flatten(tree, is_leaf=is_recurrent) if not is_recurrent(x)]
-
-
 def first_slot_buffer(tree) -> mx.array | None:
-    """``slot_buffers(tree)[0]`` without flattening the whole tree (the
-    capacity is read a few times a round, before each write is checked)."""
+    """The first array of a cache tree that holds slots (recurrent states
+    hold none), found without flattening the whole tree: the capacity is
+    read a few times a round, before each write is checked."""
     if isinstance(tree, mx.array):
         return tree
     if isinstance(tree, (list, tuple)):
