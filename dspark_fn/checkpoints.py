@@ -8,7 +8,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 import numpy as np
 
-from . import microscaling, ops
+from . import atomic, microscaling, ops
 from .drafts import resolve_arch
 from .drafts.heads import DRAFT_VOCAB_KEY
 from .drafts.vocab import check_vocabulary, restrict_vocabulary
@@ -202,12 +202,21 @@ def load(target_dir, draft_dir) -> Params:
     return with_draft(adapter, target_spec, target_params, draft_dir)
 
 
+def write_safetensors(path, weights: dict) -> Path:
+    """``weights`` to ``path`` whole or not at all."""
+
+    def write(partial: Path) -> None:
+        with partial.open("wb") as handle:  # a file object: MLX would add a suffix to a path
+            mx.save_safetensors(handle, dict(weights))
+
+    return atomic.write_with(path, write)
+
+
 def save_draft(directory, config: dict, weights: dict) -> Path:
-    """Write a draft in DeepSpec layout: ``config.json`` + ``model.safetensors``."""
+    """Write a draft in DeepSpec layout: ``config.json`` + ``model.safetensors``, each file whole or not at all."""
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(config, indent=2))
-    mx.save_safetensors(str(directory / "model.safetensors"), dict(weights))
+    atomic.write_text(directory / "config.json", json.dumps(config, indent=2))
+    write_safetensors(directory / "model.safetensors", weights)
     return directory
 
 

@@ -292,13 +292,13 @@ def run_train(args) -> int:
 
     setup = DistilConfig(
         layers=args.layers, taps=tuple(args.taps) if args.taps else None, block_size=args.block_size,
-        markov_rank=args.markov_rank, draft_vocab=args.draft_vocab, answer_tokens=args.tokens,
+        feature_taps=tuple(args.feature_taps) if args.feature_taps else None, markov_rank=args.markov_rank, draft_vocab=args.draft_vocab, answer_tokens=args.tokens,
         max_new_tokens=args.max_new_tokens, sources=tuple(args.sources.split(",")), prompts_file=args.prompts,
-        answer_batch=args.answer_batch, held_out=args.held_out,
+        answer_batch=args.answer_batch, shard_rows=args.shard_rows, held_out=args.held_out, init_draft=args.init_draft,
     )
     config = TrainConfig(steps=args.steps, learning_rate=args.lr, sequences_per_step=args.batch,
-                         checkpoint_every=args.checkpoint_every)
-    distil(args.model, args.out, setup, config, resume=args.resume,
+                         checkpoint_every=args.checkpoint_every, steps_per_shard=args.steps_per_shard)
+    distil(args.model, args.out, setup, config,
            log=lambda line: print(line, file=sys.stderr, flush=True), progress=progress)
     print(f"dspark: draft written to {args.out}/draft", file=sys.stderr)
     return 0
@@ -370,8 +370,11 @@ def build_parser() -> argparse.ArgumentParser:
     fit.add_argument("--prompts", help="a .jsonl of extra prompts (turns or prompt per line), used first")
     fit.add_argument("--max-new-tokens", type=int, default=256, help="longest answer the target writes")
     fit.add_argument("--answer-batch", type=int, default=16, help="rows of the answering batch")
+    fit.add_argument("--shard-rows", type=int, default=64, help="answers per feature shard (one is in memory at a time)")
     fit.add_argument("--layers", type=int, default=1, help="draft layers")
     fit.add_argument("--taps", type=int, nargs="+", help="tapped target layers (default: 3 spread from layer 1)")
+    fit.add_argument("--feature-taps", type=int, nargs="+", help="tapped layers the feature shards store "
+                     "(default: the draft's taps); drafts whose taps are among them train from the same shards")
     fit.add_argument("--block-size", type=int, default=5, help="draft block size")
     fit.add_argument("--markov-rank", type=int, default=32, help="Markov head rank (0: none)")
     fit.add_argument("--draft-vocab", type=int, default=4096,
@@ -379,9 +382,12 @@ def build_parser() -> argparse.ArgumentParser:
     fit.add_argument("--steps", type=int, default=1000, help="optimizer steps")
     fit.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (4%% warmup, cosine decay)")
     fit.add_argument("--batch", type=int, default=8, help="sequences per step (16 anchor blocks each)")
+    fit.add_argument("--steps-per-shard", type=int, default=25, help="consecutive steps drawn from one feature shard")
     fit.add_argument("--checkpoint-every", type=int, default=250, help="steps between checkpoints and tau checks")
     fit.add_argument("--held-out", type=int, default=8, help="last bundled prompts kept for the tau check")
-    fit.add_argument("--resume", action="store_true", help="continue the draft checkpoint in --out")
+    fit.add_argument("--init-draft", help="start from this draft's weights with a fresh optimizer (a warm restart)")
+    fit.add_argument("--resume", action="store_true", help="kept for old scripts: training continues the "
+                     "checkpoint in --out by itself")
     fit.set_defaults(run=run_train)
 
     serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching")

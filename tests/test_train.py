@@ -24,7 +24,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from dspark_fn.cache import Cache
-from dspark_fn.checkpoints import load_draft, load_target
+from dspark_fn.checkpoints import load_draft, load_target, save_draft
 from dspark_fn.distill import answers as answering
 from dspark_fn.distill import config as draft_setup
 from dspark_fn.distill import corpus as shards
@@ -80,7 +80,7 @@ def setup(tmp_path_factory):
 
 
 def stream(setup):
-    return shards.shard_stream(setup["root"] / "features", setup["index"], np.random.default_rng(0))
+    return shards.shard_schedule(setup["root"] / "features", setup["index"], seed=0)
 
 
 def tau(params, prompts):
@@ -135,6 +135,20 @@ def test_answering_resumes_after_an_interruption_and_extends(setup, tmp_path):
     assert all(a.answer == by_prompt[tuple(a.prompt)] for a in resumed)
 
 
+def test_answering_completes_the_prompts_prefix_whatever_else_the_file_holds(setup, tmp_path):
+    """A file already holding answers to later prompts (rows in flight when an
+    earlier run stopped): answering still answers every prompt of the
+    prefix that holds the token target, which is what the corpus reads."""
+    params, pairs = setup["params"], setup["pairs"]
+    path = tmp_path / "answers.jsonl"
+    path.write_text("".join(json.dumps(a._asdict()) + "\n" for a in setup["answers"][12:18]))
+    target = 5 * NEW_TOKENS
+    answering.answer_prompts(params, pairs, path, target, NEW_TOKENS, batch_size=3)
+    chosen = answering.prefix_answers(pairs, answering.read_answers(path), target)
+    assert [a.prompt for a in chosen] == [p for _, p in pairs[: len(chosen)]]
+    assert sum(len(a.answer) for a in chosen) >= target
+
+
 # ---- corpus shards
 
 
@@ -171,6 +185,20 @@ def test_shards_resume_and_refuse_other_taps(setup, tmp_path):
     assert len(more["shards"]) == len(answers) // SHARD_ROWS and more["answers"] == len(more["shards"]) * SHARD_ROWS
     with pytest.raises(ValueError, match="features of taps"):
         build(answers, taps=(0,))
+
+
+def test_shards_of_more_taps_serve_a_draft_its_own(setup, tmp_path):
+    """Shards storing extra tapped layers give a draft exactly the features
+    of its own taps, in its order; taps they lack are refused."""
+    params, answers = setup["params"], setup["answers"][:SHARD_ROWS]
+    spec = params.spec
+    stored = sorted(set(spec.taps) | {0, spec.target.num_layers - 1}, reverse=True)
+    wide = shards.build_shards(spec.target_adapter, spec.target, params.target, stored, answers, tmp_path / "wide",
+                               rows=SHARD_ROWS)
+    cut = shards.shard_schedule(tmp_path / "wide", wide, seed=0, taps=spec.taps)(0)
+    assert mx.array_equal(cut.features, setup["corpus"].features)  # the same first shard, built with the draft's taps
+    with pytest.raises(ValueError, match="store taps"):
+        shards.shard_schedule(tmp_path / "wide", wide, seed=0, taps=(spec.target.num_layers + 3,))
 
 
 # ---- the objective and the optimiser
@@ -232,7 +260,7 @@ def test_a_reduced_vocabulary_draft_trains_and_stays_lossless(setup, tmp_path):
     draft = draft_setup.initial_draft(arch, spec, target_spec, params.target, seed=1, vocab_ids=ids)
     pair = params._replace(spec=PairSpec(params.spec.target_adapter, target_spec, arch, spec), draft=draft)
     settings = trainer.TrainConfig(steps=60, learning_rate=3e-3, checkpoint_every=60, anchors_per_sequence=8)
-    (last,) = trainer.train(arch, spec, draft, stream(setup), settings, tmp_path, config)
+    (last,) = trainer.train(arch, spec, draft, stream(setup), settings, out_dir=tmp_path, draft_config=config)
     _, _, reloaded = load_draft(tmp_path, target_spec, params.target)
     trained = pair._replace(draft=reloaded)
     assert tau(trained, setup["held_out"]) > tau(pair, setup["held_out"]) + 1.0
@@ -251,13 +279,11 @@ def drafted(params, draft, prompt_length=12):
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
-def test_saved_checkpoint_reloads_to_the_same_drafts(setup, tmp_path, dtype):
+def test_exported_draft_reloads_to_the_same_drafts(setup, tmp_path, dtype):
     params = setup["params"]
     arch, spec = params.spec.draft_arch, params.spec.draft
     trainable, frozen = trainer.split_frozen(params.draft)
-    optimizer = trainer.make_optimizer(trainer.TrainConfig())
-    optimizer.init(trainable)
-    out = trainer.save_checkpoint(tmp_path, arch, spec, setup["config"], trainable, frozen, optimizer, 0, dtype)
+    out = save_draft(tmp_path, setup["config"], trainer.checkpoint_weights(arch, spec, trainable, frozen, dtype))
     stored = mx.load(str(out / "model.safetensors"))
     assert "embed_tokens.weight" not in stored and "lm_head.weight" not in stored
     assert {v.dtype for v in stored.values()} == {dtype}
@@ -269,24 +295,32 @@ def test_saved_checkpoint_reloads_to_the_same_drafts(setup, tmp_path, dtype):
     np.testing.assert_allclose(np.array(after.logits), np.array(before.logits), atol=tolerance, rtol=tolerance)
 
 
-def test_resume_continues_from_the_saved_step(setup, tmp_path):
+def test_resume_continues_exactly_from_the_saved_step(setup, tmp_path):
+    """Stopped after its first checkpoint and started again, a run ends with
+    the weights of a run never stopped, bit for bit, though it exports a
+    float16 draft; a checkpoint of other settings is refused."""
     params = setup["params"]
     arch, spec = params.spec.draft_arch, params.spec.draft
     config = trainer.TrainConfig(steps=6, learning_rate=3e-3, checkpoint_every=3, anchors_per_sequence=8,
                                  steps_per_shard=2)
-    straight = list(trainer.train(arch, spec, params.draft, stream(setup), config))
+    run = dict(draft_config=setup["config"], save_dtype=mx.float16)
+    straight = list(trainer.train(arch, spec, params.draft, stream(setup), config, out_dir=tmp_path / "a", **run))
     out = tmp_path / "run"
-    interrupted = trainer.train(arch, spec, params.draft, stream(setup), config, out, setup["config"])
+    interrupted = trainer.train(arch, spec, params.draft, stream(setup), config, out_dir=out, **run)
     assert next(interrupted).step == 3  # stop after the first checkpoint
     assert trainer.saved_step(out) == 3 and trainer.saved_step(tmp_path / "none") == 0
     followed = []
-    resumed = list(trainer.train(arch, spec, params.draft, stream(setup), config, out, setup["config"], resume=True,
-                                 on_step=followed.append))
+    resumed = list(trainer.train(arch, spec, params.draft, stream(setup), config, out_dir=out, on_step=followed.append,
+                                 **run))
     assert [p.step for p in resumed] == [6]
     assert followed == [4, 5, 6]
+    assert [f.name for f in (out / trainer.CHECKPOINTS).iterdir()] == ["step-00000006"]  # older ones removed
     final, expected = dict(tree_flatten(resumed[-1].draft_params)), dict(tree_flatten(straight[-1].draft_params))
     for name, value in expected.items():
-        np.testing.assert_allclose(np.array(final[name]), np.array(value), atol=1e-5, err_msg=name)
+        assert mx.array_equal(final[name], value), name
+    other = trainer.TrainConfig(**dict(config.__dict__, learning_rate=1e-3))
+    with pytest.raises(ValueError, match="other settings .*learning_rate"):
+        next(trainer.train(arch, spec, params.draft, stream(setup), other, out_dir=out, **run))
 
 
 def test_default_taps_follow_deepspec():
@@ -385,7 +419,7 @@ def test_distil_end_to_end_writes_a_draft_that_decodes_losslessly(family, tmp_pa
     assert sum(len(a.answer) for a in answers) >= 600
     covered = bars["features"].n
     bars.clear()
-    again = distill.distil(str(tmp_path / "target"), tmp_path / "run", setup, config, resume=True,
+    again = distill.distil(str(tmp_path / "target"), tmp_path / "run", setup, config,
                            log=lambda line: None, progress=Bar)
     assert again is None  # the checkpoint already holds every step
     # resumed stages start their bars at the work already done, none redone

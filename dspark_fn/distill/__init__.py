@@ -5,14 +5,18 @@ that each keep their progress on disk, so a run resumes and grows:
    templates, with every evaluation prompt's exact and near duplicates dropped;
 2. ``answers``: the target answers them (greedy) through the library's own
    continuous batching, into ``answers.jsonl`` (token ids);
-3. ``corpus``: batched teacher-forced target passes turn answers into
-   on-disk shards of features and top-K distributions;
+3. ``corpus``: batched teacher-forced target passes turn the answers of the
+   prompts' prefix that holds the token target into on-disk shards of
+   features and top-K distributions;
 4. ``objective`` + ``trainer``: the DeepSpec loss over anchor blocks, AdamW,
-   resumable DeepSpec-format checkpoints.
+   checkpoints that resume exactly, the draft exported in DeepSpec format.
 
-``config`` builds the draft's configuration and first weights.
+Every file a stage writes appears whole or not at all, so a run killed at
+any moment and started again ends as one never killed. ``config`` builds
+the draft's configuration and first weights.
 """
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -20,14 +24,14 @@ from typing import Callable
 import mlx.core as mx
 import numpy as np
 
-from ..checkpoints import check_draft_fits
+from ..checkpoints import check_draft_fits, load_draft
 from ..drafts import resolve_arch
 from ..drafts.vocab import frequent_tokens
 from ..types import PairSpec, Params
 from ..targets import resolve_target
-from .answers import answer_prompts, read_answers, single_stream_speed
+from .answers import answer_prompts, prefix_answers, read_answers, single_stream_speed
 from .config import draft_config_for, initial_draft
-from .corpus import build_shards, read_index, shard_stream
+from .corpus import build_shards, read_index, shard_schedule
 from .prompts import BUNDLED, Prompt, read_jsonl_prompts, training_prompts
 from .trainer import TrainConfig, held_out_tau, saved_step, train
 
@@ -42,6 +46,7 @@ class DistilConfig:
 
     layers: int = 1
     taps: tuple | None = None  # default: spread_taps(target depth, 3)
+    feature_taps: tuple | None = None  # taps the feature shards store (default: the draft's); a superset serves drafts of other taps
     block_size: int = 5
     markov_rank: int = 32
     draft_vocab: int = 0  # propose from this many of the answers' most frequent tokens (0: all)
@@ -57,6 +62,7 @@ class DistilConfig:
     eval_new_tokens: int = 128
     save_dtype: str = "float16"
     dtype: str | None = "float32"  # the target's compute dtype while distilling (None: as stored)
+    init_draft: str | None = None  # start from this draft's weights, fresh optimizer (a warm restart)
 
 
 def prompt_ids(setup: DistilConfig, tokenizer, held_out: set) -> list[tuple[str, list]]:
@@ -75,12 +81,13 @@ def prompt_ids(setup: DistilConfig, tokenizer, held_out: set) -> list[tuple[str,
     return ids
 
 
-def distil(target_source, out_dir, setup: DistilConfig, config: TrainConfig, resume=False,
+def distil(target_source, out_dir, setup: DistilConfig, config: TrainConfig,
            log: Callable[[str], None] = print, progress=None) -> object:
     """Train a DSpark draft for a target into ``out_dir/draft`` (DeepSpec
-    layout), every stage resumable from what ``out_dir`` holds. ``progress``
+    layout), every stage resuming from what ``out_dir`` holds. ``progress``
     (``tqdm``-like factory: ``progress(total, label, done)``) shows each stage with
-    its ETA. Returns the last ``Progress``."""
+    its ETA. Returns the last ``Progress`` (None when the checkpoint already
+    holds every step)."""
     from ..evaluate import chat_tokens, stop_tokens
     from ..models import load_target_named
 
@@ -109,10 +116,16 @@ def distil(target_source, out_dir, setup: DistilConfig, config: TrainConfig, res
         return draft_config, arch, spec, Params(PairSpec(adapter, target_spec, arch, spec), target_params, draft)
 
     # 1-2: the target's own answers (plain target steps; the fresh draft only keeps its context)
-    _, _, spec, params = draft_for(None)
+    if setup.init_draft:
+        arch, spec, draft = load_draft(setup.init_draft, target_spec, target_params)
+        draft_config = json.loads((Path(setup.init_draft) / "config.json").read_text())
+        params = Params(PairSpec(adapter, target_spec, arch, spec), target_params, draft)
+    else:
+        _, _, spec, params = draft_for(None)
     prompts = prompt_ids(setup, tokenizer, set(held_texts))
-    have = sum(len(a.answer) for a in read_answers(out / ANSWERS_FILE))
-    if have < setup.answer_tokens:
+    answered = prefix_answers(prompts, read_answers(out / ANSWERS_FILE), setup.answer_tokens)
+    have = sum(len(a.answer) for a in answered)
+    if have < setup.answer_tokens and len(answered) < len(prompts):
         log(f"answering: a single stream decodes {single_stream_speed(params, prompts[0][1], 32, stops):.1f} tokens/s")
         bar = progress(setup.answer_tokens, "answer tokens", have) if progress else None
 
@@ -125,12 +138,13 @@ def distil(target_source, out_dir, setup: DistilConfig, config: TrainConfig, res
                        setup.answer_batch, on_answer)
         if bar is not None:
             bar.close()
-    answers = read_answers(out / ANSWERS_FILE)
+    answers = prefix_answers(prompts, read_answers(out / ANSWERS_FILE), setup.answer_tokens)
     log(f"answers: {len(answers)}, {sum(len(a.answer) for a in answers)} tokens")
 
     # 3: features on disk
     bar = progress(len(answers), "features", read_index(out / FEATURES_DIR)["answers"]) if progress else None
-    index = build_shards(adapter, target_spec, target_params, spec.target_layer_ids, answers, out / FEATURES_DIR,
+    stored_taps = setup.feature_taps or spec.target_layer_ids
+    index = build_shards(adapter, target_spec, target_params, stored_taps, answers, out / FEATURES_DIR,
                          setup.max_prompt_tokens + setup.max_new_tokens,
                          on_shard=lambda done, total: bar.update(done - bar.n) if bar else None,
                          rows=setup.shard_rows)
@@ -139,23 +153,24 @@ def distil(target_source, out_dir, setup: DistilConfig, config: TrainConfig, res
     if not index["shards"]:
         raise ValueError("not enough answers for one corpus shard yet: answer more prompts first")
 
-    # 4: the draft (its vocabulary from the answers), trained over the shards
-    vocab_ids = None
-    if setup.draft_vocab:
-        vocab_ids = frequent_tokens([a.answer for a in answers], setup.draft_vocab, target_spec.vocab_size, stops)
-    draft_config, arch, spec, params = draft_for(vocab_ids)
+    # 4: the draft (its vocabulary from the answers, or a warm restart's own), trained over the shards
+    if not setup.init_draft:
+        vocab_ids = None
+        if setup.draft_vocab:
+            vocab_ids = frequent_tokens([a.answer for a in answers], setup.draft_vocab, target_spec.vocab_size, stops)
+        draft_config, arch, spec, params = draft_for(vocab_ids)
     held_out = [chat_tokens(tokenizer, text) for text in held_texts]
 
     def evaluate(draft_params):
         return held_out_tau(params._replace(draft=draft_params), held_out, setup.eval_new_tokens, stops)
 
-    shards = shard_stream(out / FEATURES_DIR, index, np.random.default_rng(config.seed))
-    start = saved_step(out / DRAFT_DIR) if resume else 0
-    bar = progress(config.steps, "train steps", start) if progress else None
+    corpus = {"corpus": {"answers": index["answers"], "shards": len(index["shards"])}, "init_draft": setup.init_draft}
+    bar = progress(config.steps, "train steps", saved_step(out / DRAFT_DIR)) if progress else None
     on_step = (lambda done: bar.update(done - bar.n)) if bar is not None else None
     last = None
-    for last in train(arch, spec, params.draft, shards, config, out / DRAFT_DIR, draft_config, resume, evaluate,
-                      getattr(mx, setup.save_dtype), on_step):
+    shards = shard_schedule(out / FEATURES_DIR, index, config.seed, spec.target_layer_ids)
+    for last in train(arch, spec, params.draft, shards, config, out_dir=out / DRAFT_DIR, draft_config=draft_config, evaluate=evaluate,
+                      save_dtype=getattr(mx, setup.save_dtype), on_step=on_step, depends_on=corpus):
         parts = " ".join(f"{name} {value:.3f}" for name, value in last.parts.items())
         log(f"step {last.step}/{config.steps} loss {last.loss:.4f} ({parts}) "
             f"{last.steps_per_second:.2f} steps/s held-out tau {last.tau:.2f}")

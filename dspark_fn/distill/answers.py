@@ -4,17 +4,21 @@ its rows refilled as soon as answers finish (continuous batching; free rows
 are prefilled together once a quarter of the batch is free).
 
 Answers are token ids appended to a ``.jsonl`` file as they finish
-(``{"source", "prompt", "answer"}`` per line), so a run stops anywhere (Ctrl-C
-loses only the answers in flight) and resumes, or is extended to more tokens,
-in a later sitting: prompts the file already answers are skipped.
+(``{"source", "prompt", "answer"}`` per line, each on disk before the next
+step), so a run killed anywhere loses only the answers in flight and resumes,
+or is extended to more tokens, in a later sitting: prompts the file already
+answers are skipped. The file's order follows the batch; what is trained on
+is ``prefix_answers``: the answers of the prompts' shortest prefix that holds
+the token target, in prompt order, which is the same however often the
+answering stopped and resumed.
 """
 
 import json
 import time
-from collections import deque
 from pathlib import Path
 from typing import Callable, NamedTuple, Sequence
 
+from .. import atomic
 from ..driver import Decoder, generate
 from ..types import Params
 
@@ -25,19 +29,45 @@ class Answer(NamedTuple):
     answer: list
 
 
+def _complete_lines(path: Path) -> list[str]:
+    lines = path.read_text().splitlines() if path.is_file() else []
+    for count, line in enumerate(lines):
+        try:
+            json.loads(line)
+        except json.JSONDecodeError:
+            return lines[:count]
+    return lines
+
+
 def read_answers(path) -> list[Answer]:
     """Every complete line of an answers file (a torn last line is ignored)."""
-    path = Path(path)
-    if not path.is_file():
-        return []
-    answers = []
-    for line in path.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
+    return [Answer(**json.loads(line)) for line in _complete_lines(Path(path))]
+
+
+def _drop_torn_tail(path: Path) -> None:
+    """Rewrite the file without a torn last line (whole or not at all), so appends follow a complete line."""
+    if path.is_file():
+        text = path.read_text()
+        lines = _complete_lines(path)
+        complete = "".join(line + "\n" for line in lines)
+        if text != complete:
+            atomic.write_text(path, complete)
+
+
+def prefix_answers(prompts: Sequence[tuple[str, list]], answers: Sequence[Answer], target_tokens: int) -> list[Answer]:
+    """The answers of the shortest prefix of ``prompts`` whose answers hold
+    ``target_tokens`` tokens (all of them if the prompts run out first), in
+    prompt order; prompts without an answer are skipped."""
+    by_prompt = {tuple(a.prompt): a for a in answers}
+    chosen, tokens = [], 0
+    for _, ids in prompts:
+        if tokens >= target_tokens:
             break
-        answers.append(Answer(row["source"], row["prompt"], row["answer"]))
-    return answers
+        answer = by_prompt.get(tuple(ids))
+        if answer is not None:
+            chosen.append(answer)
+            tokens += len(answer.answer)
+    return chosen
 
 
 def single_stream_speed(params: Params, prompt: list, max_new_tokens: int, stop_tokens) -> float:
@@ -58,39 +88,52 @@ def answer_prompts(
     batch_size: int = 16,
     on_answer: Callable[[int, int], None] = lambda answered, tokens: None,
 ) -> list[Answer]:
-    """Answer ``(source, prompt ids)`` pairs until the file holds
-    ``target_tokens`` answer tokens (or the prompts run out).
+    """Answer ``(source, prompt ids)`` pairs, in order, until the answered
+    prefix of ``prompts`` holds ``target_tokens`` answer tokens (or the
+    prompts run out), so ``prefix_answers`` finds every answer it needs.
     ``on_answer(answers, answer tokens)`` reports progress. Returns every
     answer in the file."""
     path = Path(path)
-    done = read_answers(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w") as handle:  # rewrite what was complete, dropping a torn line
-        handle.writelines(json.dumps(a._asdict()) + "\n" for a in done)
-    answered = {tuple(a.prompt) for a in done}
-    pending = deque((source, list(ids)) for source, ids in prompts if tuple(ids) not in answered)
+    _drop_torn_tail(path)
+    done = read_answers(path)
+    answered = {tuple(a.prompt): len(a.answer) for a in done}
     tokens = sum(len(a.answer) for a in done)
     on_answer(len(done), tokens)
     stop_tokens = set(stop_tokens)
     decoder = Decoder(params, batch_size, width=1)
     rows: dict = {}  # row -> (source, prompt, answer so far)
+    position, covered = 0, 0  # the next prompt to start; answer tokens of the prompts before it
+
+    def skip_answered() -> None:
+        nonlocal position, covered
+        while position < len(prompts) and tuple(prompts[position][1]) in answered:
+            covered += answered[tuple(prompts[position][1])]
+            position += 1
 
     def finish(row: int) -> None:
-        nonlocal tokens
+        nonlocal tokens, covered
         source, prompt, answer = rows.pop(row)
         answer = answer[:max_new_tokens]
         done.append(Answer(source, prompt, answer))
-        with path.open("a") as handle:
-            handle.write(json.dumps(done[-1]._asdict()) + "\n")
+        atomic.append_line(path, json.dumps(done[-1]._asdict()))
+        answered[tuple(prompt)] = len(answer)
         tokens += len(answer)
+        covered += len(answer)
         decoder.release(row)
         on_answer(len(done), tokens)
 
     def fill() -> None:
+        nonlocal position
+        skip_answered()
         free = [row for row in range(batch_size) if row not in rows]
-        if len(free) < max(1, batch_size // 4) and rows or not pending or tokens >= target_tokens:
+        if len(free) < max(1, batch_size // 4) and rows or position >= len(prompts) or covered >= target_tokens:
             return
-        batch = [pending.popleft() for _ in free[: len(pending)]]
+        batch = []
+        while len(batch) < len(free) and position < len(prompts):
+            batch.append((prompts[position][0], list(prompts[position][1])))
+            position += 1
+            skip_answered()
         firsts = decoder.insert(free[: len(batch)], [ids for _, ids in batch])
         for row, (source, ids), first in zip(free, batch, firsts):
             rows[row] = (source, ids, [first])

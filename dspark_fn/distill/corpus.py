@@ -3,25 +3,33 @@ teacher-forced passes and kept on disk in shards, never all in memory.
 
 A shard holds up to ``SHARD_ROWS`` sequences (prompt + the target's answer),
 right-padded to the shard's longest: tokens, the answer mask, the tapped
-features (float16) and the target's top-K next-token distribution at every
-position. ``index.json`` lists the shards and how many answers they cover,
-so building resumes after the last complete shard and extends when the
-answers file grows.
+features (float16) and the target's top-K next-token distribution where the
+loss reads it (the positions whose next token is an answer token, and the
+answer's last). Each pass runs a few sequences of similar length padded to
+their own longest, and the output head runs only at those positions: the
+49k-row head is a large share of a small target's forward on a CPU.
+``index.json`` lists the shards and how many answers they cover, so
+building resumes after the last complete shard and extends when the answers
+grow; shard and index are each written whole or not at all. Shards may
+store more tapped layers than a draft reads: each draft reads its own taps
+from them, so drafts with other taps train from the same shards.
 """
 
 import json
 from functools import lru_cache
 from pathlib import Path
-from typing import Callable, Iterator, NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import mlx.core as mx
 import numpy as np
+
+from .. import atomic
 
 TOP_K = 16  # target distribution kept per position (greedy targets are peaked)
 SHARD_ROWS = 64
 PASS_ROWS = 8  # sequences per teacher-forced pass
 LENGTH_STEP = 64  # sequences are padded to a multiple of this (one trace per length)
-HEAD_CHUNK = 128  # positions whose logits are formed at once
+HEAD_CHUNK = 512  # positions whose logits are formed at once
 INDEX = "index.json"
 
 
@@ -36,7 +44,7 @@ class Corpus(NamedTuple):
     tokens: mx.array  # [N, S] int32
     loss_mask: mx.array  # [N, S] bool
     features: mx.array  # [N, S, F] concatenated target taps
-    top_ids: mx.array  # [N, S, K] int32
+    top_ids: mx.array  # [N, S, K] int32 (zeros where the loss never reads them)
     top_probs: mx.array  # [N, S, K]
 
 
@@ -62,17 +70,32 @@ def _top_k_kernel(adapter, spec, k: int):
     return mx.compile(run)
 
 
-def teacher_forced(adapter, spec, params: dict, taps: tuple, tokens: np.ndarray, k: int = TOP_K):
-    """Features and top-K of the target over right-padded ``tokens [B, S]``."""
+def distribution_positions(loss_mask: np.ndarray) -> np.ndarray:
+    """Where the loss reads the target's distribution: positions followed by an answer token, and answer tokens."""
+    needed = loss_mask.copy()
+    needed[:, :-1] |= loss_mask[:, 1:]
+    return needed
+
+
+def teacher_forced(adapter, spec, params: dict, taps: tuple, tokens: np.ndarray, loss_mask: np.ndarray,
+                   k: int = TOP_K):
+    """Features of the target over right-padded ``tokens [B, S]``, and its
+    top-K where ``distribution_positions(loss_mask)`` (zeros elsewhere)."""
     hidden, features = _taps_kernel(adapter, spec, taps)(params, mx.array(tokens))
-    ids, probs = [], []
+    rows, columns = np.nonzero(distribution_positions(loss_mask))
+    ids = np.zeros((*tokens.shape, k), np.int32)
+    probs = np.zeros((*tokens.shape, k), np.float16)
     top_k = _top_k_kernel(adapter, spec, k)
-    for begin in range(0, tokens.shape[1], HEAD_CHUNK):
-        chunk_ids, chunk_probs = top_k(params, hidden[:, begin : begin + HEAD_CHUNK])
-        mx.eval(chunk_ids, chunk_probs)
-        ids.append(np.array(chunk_ids))
-        probs.append(np.array(chunk_probs))
-    return np.array(features), np.concatenate(ids, axis=1), np.concatenate(probs, axis=1)
+    for begin in range(0, len(rows), HEAD_CHUNK):
+        chunk = slice(begin, begin + HEAD_CHUNK)
+        picked = np.zeros(HEAD_CHUNK, np.int64)  # a fixed chunk shape: one trace
+        picked[: len(rows[chunk])] = rows[chunk] * tokens.shape[1] + columns[chunk]
+        flat = hidden.reshape(-1, hidden.shape[-1])[mx.array(picked)]
+        chunk_ids, chunk_probs = top_k(params, flat[None])
+        count = len(rows[chunk])
+        ids[rows[chunk], columns[chunk]] = np.array(chunk_ids[0, :count])
+        probs[rows[chunk], columns[chunk]] = np.array(chunk_probs[0, :count])
+    return np.array(features), ids, probs
 
 
 def sequence_arrays(answers: Sequence, max_length: int) -> tuple[np.ndarray, np.ndarray]:
@@ -89,8 +112,15 @@ def sequence_arrays(answers: Sequence, max_length: int) -> tuple[np.ndarray, np.
 
 
 def build_shard(adapter, spec, params, taps: tuple, answers: Sequence, max_length: int) -> dict:
+    """Arrays of one shard; ``answers`` sorted by length, each pass padded to its own longest."""
     tokens, mask = sequence_arrays(answers, max_length)
-    parts = [teacher_forced(adapter, spec, params, taps, tokens[i : i + PASS_ROWS]) for i in range(0, len(tokens), PASS_ROWS)]
+    lengths = [min(max_length, len(a.prompt) + len(a.answer)) for a in answers]
+    parts = []
+    for begin in range(0, len(tokens), PASS_ROWS):
+        rows = slice(begin, begin + PASS_ROWS)
+        used = -(-max(lengths[rows]) // LENGTH_STEP) * LENGTH_STEP
+        part = teacher_forced(adapter, spec, params, taps, tokens[rows, :used], mask[rows, :used])
+        parts.append([np.pad(array, [(0, 0), (0, tokens.shape[1] - used), (0, 0)]) for array in part])
     features, ids, probs = (np.concatenate(column) for column in zip(*parts))
     return {"tokens": tokens, "loss_mask": mask, "features": features, "top_ids": ids, "top_probs": probs}
 
@@ -107,28 +137,59 @@ def build_shards(adapter, spec, params, taps: Sequence[int], answers: Sequence, 
     directory.mkdir(parents=True, exist_ok=True)
     index = read_index(directory)
     if index["shards"] and index.get("taps") != list(taps):
-        raise ValueError(f"{directory} holds features of taps {index.get('taps')}, not {list(taps)}: use another directory")
+        raise ValueError(f"{directory} holds features of taps {index.get('taps')}, not {list(taps)}: "
+                         f"store those taps, or use another directory")
     index["taps"] = list(taps)
     # shards hold similar lengths: sort each window of answers by length (less padding)
     for begin in range(index["answers"], len(answers) - rows + 1, rows):
         window = sorted(answers[begin : begin + rows], key=lambda a: len(a.prompt) + len(a.answer))
         arrays = build_shard(adapter, spec, params, tuple(taps), window, max_length)
         name = f"shard-{len(index['shards']):05d}.npz"
-        np.savez(directory / name, **arrays)
+        atomic.write_with(directory / name, lambda partial: _save_npz(partial, arrays))
         index["shards"].append({"file": name, "rows": len(window), "tokens": int(arrays["loss_mask"].sum())})
         index["answers"] = begin + rows
-        (directory / INDEX).write_text(json.dumps(index, indent=1))
+        atomic.write_text(directory / INDEX, json.dumps(index, indent=1))
         on_shard(index["answers"], len(answers))
     return index
 
 
-def load_shard(directory, entry: dict) -> Corpus:
-    arrays = np.load(Path(directory) / entry["file"])
+def _save_npz(path: Path, arrays: dict) -> None:
+    with path.open("wb") as handle:  # a file object: numpy would add ``.npz`` to a path
+        np.savez(handle, **arrays)
+
+
+def tap_columns(index: dict, taps: Sequence[int]) -> list[int]:
+    """Where each of a draft's ``taps`` sits among the stored ones."""
+    stored = index.get("taps", [])
+    missing = [tap for tap in taps if tap not in stored]
+    if missing:
+        raise ValueError(f"the feature shards store taps {stored}, not {missing}: train a draft with taps among "
+                         f"them, or build shards of its taps in another directory")
+    return [stored.index(tap) for tap in taps]
+
+
+def load_shard(directory, entry: dict, columns: Sequence[int] | None = None, stored_taps: int = 1) -> Corpus:
+    """A shard; with ``columns``, its features cut to the stored taps at
+    those places (of ``stored_taps`` side by side)."""
+    arrays = dict(np.load(Path(directory) / entry["file"]))
+    if columns is not None:
+        rows, length, width = arrays["features"].shape
+        per_tap = arrays["features"].reshape(rows, length, stored_taps, width // stored_taps)
+        arrays["features"] = per_tap[:, :, list(columns)].reshape(rows, length, -1)
     return Corpus(*(mx.array(arrays[name]) for name in Corpus._fields))
 
 
-def shard_stream(directory, index: dict, rng: np.random.Generator) -> Iterator[Corpus]:
-    """Shards in a fresh random order each epoch, one in memory at a time."""
-    while True:
-        for position in rng.permutation(len(index["shards"])):
-            yield load_shard(directory, index["shards"][position])
+def shard_schedule(directory, index: dict, seed: int, taps: Sequence[int] | None = None) -> Callable[[int], Corpus]:
+    """``shards(n)``: the n-th shard read, in a fresh random order each epoch,
+    with the features of ``taps`` (default: every stored tap); a function
+    of ``(seed, n)`` alone, so a resumed run reads what it would have read.
+    One shard is in memory at a time."""
+    count = len(index["shards"])
+    columns = tap_columns(index, taps) if taps is not None else None
+
+    def shard(n: int) -> Corpus:
+        epoch, place = divmod(n, count)
+        order = np.random.default_rng([seed, epoch]).permutation(count)
+        return load_shard(directory, index["shards"][order[place]], columns, len(index["taps"]))
+
+    return shard
