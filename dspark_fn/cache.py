@@ -92,12 +92,51 @@ def prefix_mask(length: mx.array, capacity: int, window: int | None = None) -> m
     return visible
 
 
-def block_mask(length: mx.array, capacity: int, width: int, window: int | None = None) -> mx.array:
-    """``[B, 1, width, capacity + width]`` for a draft block: every block query
-    sees the committed context slots and, bidirectionally, the whole block."""
-    batch = length.shape[0]
-    context = mx.broadcast_to(prefix_mask(length, capacity, window), (batch, 1, width, capacity))
-    return mx.concatenate([context, mx.ones((batch, 1, width, width), mx.bool_)], axis=-1)
+def block_slots(length: mx.array, width: int) -> tuple[mx.array, mx.array, mx.array]:
+    """Where each of ``width`` draft block slots sits: ``(start [B, W], offset
+    [W], block [W])``. ``length [B]``: one block per row, at the row's
+    committed length. ``length [B, N]`` (training): ``N`` blocks of ``width //
+    N`` slots side by side in each row, block ``n`` at ``length[b, n]``,
+    sharing the row's context instead of one copy of it per block."""
+    if length.ndim == 1:
+        length = length[:, None]
+    size = width // length.shape[1]
+    slot = mx.arange(width)
+    block, offset = slot // size, slot % size
+    start = mx.broadcast_to(length, (length.shape[0], width)) if length.shape[1] == 1 else length[:, block]
+    return start, offset, block
+
+
+def block_positions(length: mx.array, width: int) -> mx.array:
+    """``[B, W]`` positions of the block slots (``block_slots``): each block's start plus the slot's offset."""
+    start, offset, _ = block_slots(length, width)
+    return start + offset
+
+
+def block_mask(length: mx.array, capacity: int, width: int, window: int | None = None,
+               causal: bool = False) -> mx.array:
+    """``[B, 1, width, capacity + width]`` over ``[context slots ; block slots]``
+    for the draft blocks of ``block_slots``: a slot sees the context before its
+    block's start and the slots of its own block. Bidirectional: the whole
+    block, and only the last ``window`` context slots with a window. Causal:
+    its block's earlier slots, and with a window only the positions after
+    its own minus ``window``."""
+    start, offset, block = block_slots(length, width)
+    slots = mx.arange(capacity)[None, None, None, :]
+    end = start[:, None, :, None]
+    context = slots < end
+    inside = block[:, None] == block[None, :]
+    if causal:
+        if window is not None:
+            context = context & (slots > (start + offset)[:, None, :, None] - window)
+        earlier = offset[None, :] <= offset[:, None]
+        if window is not None:
+            earlier = earlier & (offset[None, :] > offset[:, None] - window)
+        inside = inside & earlier
+    elif window is not None:
+        context = context & (slots >= end - window)
+    inside = mx.broadcast_to(inside[None, None], (start.shape[0], 1, width, width))
+    return mx.concatenate([context, inside], axis=-1)
 
 
 def is_recurrent(entry) -> bool:

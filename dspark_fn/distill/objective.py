@@ -11,7 +11,6 @@ from typing import NamedTuple
 
 import mlx.core as mx
 import numpy as np
-from mlx.utils import tree_map
 
 from ..drafts.heads import DRAFT_VOCAB_KEY, slot_heads
 from ..drafts.vocab import restrict_vocabulary
@@ -35,8 +34,9 @@ def training_forward(arch, spec, params: dict, features, tokens, anchors):
     """Draft logits for every anchor block of every sequence.
 
     ``features [B, S, F]``, ``tokens [B, S]``, ``anchors [B, N]``. The context
-    is projected once per sequence, then each anchor's block attends to the
-    context slots ``< a`` (``length = a``), as at inference.
+    is projected once per sequence and every anchor's block sits beside the
+    others in its sequence's row, attending to the context slots ``< a``
+    (``length = a``) and to its own block, as at inference.
     Returns Markov-corrected logits ``[B, N, G, V]`` and confidence logits
     ``[B, N, G]`` with teacher-forced previous tokens ``tok_{a+k}``.
     """
@@ -45,14 +45,13 @@ def training_forward(arch, spec, params: dict, features, tokens, anchors):
     block = spec.block_size
     state = arch.init_context(spec, batch, length)
     state = arch.extend_context(spec, params, state, features, mx.zeros((batch,), mx.int32))
-    state = tree_map(lambda x: mx.repeat(x, count, axis=0), state)  # one copy per anchor
-    flat_anchors = anchors.reshape(-1)
-    anchor_tokens = mx.take_along_axis(tokens, anchors, axis=1).reshape(-1)
-    masks = mx.full((batch * count, block - 1), spec.mask_token_id, mx.int32)
-    block_ids = mx.concatenate([anchor_tokens[:, None].astype(mx.int32), masks], axis=1)
-    base, hidden = arch.block_forward(spec, params, state, flat_anchors, block_ids)
-    prev = _block_tokens(tokens, anchors, block, 0).reshape(batch * count, block)
-    logits, confidence = slot_heads(spec, params, base, hidden, prev)  # teacher forcing: known previous tokens
+    anchor_tokens = mx.take_along_axis(tokens, anchors, axis=1).astype(mx.int32)
+    masks = mx.full((batch, count, block - 1), spec.mask_token_id, mx.int32)
+    block_ids = mx.concatenate([anchor_tokens[..., None], masks], axis=2).reshape(batch, count * block)
+    base, hidden = arch.block_forward(spec, params, state, anchors, block_ids)
+    flat = (batch * count, block)
+    prev = _block_tokens(tokens, anchors, block, 0).reshape(flat)
+    logits, confidence = slot_heads(spec, params, base.reshape(*flat, -1), hidden.reshape(*flat, -1), prev)
     shape = (batch, count, block)
     return logits.reshape(*shape, -1), confidence.reshape(shape)
 

@@ -59,7 +59,9 @@ class DraftArch:
     block_forward(spec, params, state, length, block_ids) -> (base_logits, head_hidden)
         the block at positions ``length[b] + k`` attending to context slots
         ``< length[b]`` and to the whole block; ``head_hidden`` feeds the
-        confidence head
+        confidence head. With ``length [B, N]`` (training) each row holds N
+        blocks side by side sharing its context (``cache.block_slots``,
+        ``cache.block_positions``, ``cache.block_mask``)
     prepare_params(spec, tree) -> tree       optional last loading step for layouts a
                                              per-key map cannot reach (stacking experts)
     is_draft_key(key) -> bool                optional: which tensors of the directory are

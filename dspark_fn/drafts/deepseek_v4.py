@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from .. import mhc, ops
-from ..cache import block_mask, positions_from, write_rows
+from ..cache import block_mask, block_positions, positions_from, write_rows
 from ..layers import deepseek_v4 as family
 from .base import DraftArch, DSparkFields, dspark_fields
 from .heads import DRAFT_VOCAB_KEY, head_shapes
@@ -213,10 +213,11 @@ def context_attention(geometry: family.BlockSpec, attn: dict, context, mask, pos
 
 
 def block_forward(spec: DeepseekV4DraftSpec, params: dict, state: list, length, block_ids):
-    """The block ``block_ids [B, G]`` through the stages: ``(base logits [B, G, V'], pre-norm hc_head output [B, G, d])``."""
+    """The block ``block_ids [B, G]`` through the stages (or N blocks a row with
+    ``length [B, N]``): ``(base logits [B, G, V'], pre-norm hc_head output [B, G, d])``."""
     width = block_ids.shape[1]
     geometry, capacity = spec.block, state[0].shape[2]
-    positions = positions_from(length, width)
+    positions = block_positions(length, width)
     inv_freq = family.rope_inv_freq(geometry)
     mask = block_mask(length, capacity, width, spec.window)
     streams = family.embedded_streams(geometry, params["embed_tokens"], block_ids)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from .. import ops
-from ..cache import block_mask, kv_buffers, positions_from, write_rows
+from ..cache import block_mask, block_positions, kv_buffers, positions_from, write_rows
 from ..layers import gemma4 as family
 from .base import DraftArch, DSparkFields, dspark_fields
 from .heads import decoder_layer_shapes, frame_shapes, head_shapes
@@ -86,10 +86,11 @@ def extend_context(spec: Gemma4DraftSpec, params: dict, state: list, features, s
 
 
 def block_forward(spec: Gemma4DraftSpec, params: dict, state: list, length, block_ids):
-    """The block ``block_ids [B, G]`` at positions ``length[b] + k``: ``(softcapped base logits [B, G, V'], hidden [B, G, d])``."""
+    """The block ``block_ids [B, G]`` at positions ``length[b] + k`` (or N blocks
+    a row with ``length [B, N]``): ``(softcapped base logits [B, G, V'], hidden [B, G, d])``."""
     width = block_ids.shape[1]
     capacity = state[0][0].shape[2]
-    positions = positions_from(length, width)
+    positions = block_positions(length, width)
     mask = block_mask(length, capacity, width)
     h = family.scaled_embedding(params["embed_tokens"], block_ids, spec.hidden_size)
     for layer, (keys, values) in zip(params["layers"], state):

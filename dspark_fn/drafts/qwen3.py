@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from .. import ops
-from ..cache import block_mask, causal_mask, kv_buffers, positions_from, prefix_mask, write_rows
+from ..cache import block_mask, block_positions, kv_buffers, positions_from, write_rows
 from ..layers.llama import AttentionFields, attention_fields
 from .base import DraftArch, DSparkFields, dspark_fields
 from .heads import decoder_layer_shapes, frame_shapes, head_shapes
@@ -101,19 +101,16 @@ def extend_context(spec: Qwen3DraftSpec, params: dict, state: list, features, st
 
 
 def layer_mask(causal: bool, window: int | None, length, capacity: int, width: int) -> mx.array:
-    """``[B, 1, G, C + G]`` over ``[context slots ; block]`` for a block at ``length[b] + k``.
+    """``[B, 1, W, C + W]`` over ``[context slots ; block]`` for the blocks of ``length`` (``cache.block_slots``).
 
-    Bidirectional: every slot sees the whole block and the context, only its
+    Bidirectional: every slot sees its whole block and the context, only its
     last ``window - 1`` rows in a sliding layer (the anchor's window).
     Causal: slot ``q`` sees earlier block slots and context, only positions
     after ``q - window`` in a sliding layer.
     """
-    if not causal:
-        return block_mask(length, capacity, width, None if window is None else window - 1)
-    context = causal_mask(positions_from(length, width), capacity, window) & prefix_mask(length, capacity)
-    block = causal_mask(mx.arange(width)[None], width, window)
-    block = mx.broadcast_to(block, (length.shape[0], 1, width, width))
-    return mx.concatenate([context, block], axis=-1)
+    if not causal and window is not None:
+        window = window - 1
+    return block_mask(length, capacity, width, window, causal)
 
 
 def sink_attention(q, k, v, mask: mx.array, scale: float, sinks: mx.array) -> mx.array:
@@ -138,17 +135,22 @@ def _attend(spec, attn, q, keys, values, mask):
 
 
 def block_forward(spec: Qwen3DraftSpec, params: dict, state: list, length, block_ids):
-    """The block ``block_ids [B, G]`` at positions ``length[b] + k``: ``(base logits [B, G, V'], hidden [B, G, d])``.
+    """The blocks ``block_ids [B, W]`` at ``length`` (``[B]``: one block a row at
+    ``length[b] + k``; ``[B, N]``: N blocks a row, ``cache.block_slots``):
+    ``(base logits [B, W, V'], hidden [B, W, d])``.
 
-    Without ``sample_from_anchor`` the block runs one more mask slot and the
+    Without ``sample_from_anchor`` each block runs one more mask slot and the
     anchor's own output is dropped: slot ``k`` drafts the token at ``length + k + 1``.
     """
+    blocks = length.shape[1] if length.ndim == 2 else 1
+    batch = block_ids.shape[0]
     if not spec.sample_from_anchor:
-        extra = mx.full((block_ids.shape[0], 1), spec.mask_token_id, block_ids.dtype)
-        block_ids = mx.concatenate([block_ids, extra], axis=1)
+        per_block = block_ids.reshape(batch, blocks, -1)
+        extra = mx.full((batch, blocks, 1), spec.mask_token_id, block_ids.dtype)
+        block_ids = mx.concatenate([per_block, extra], axis=2).reshape(batch, -1)
     width = block_ids.shape[1]
     capacity = state[0][0].shape[2]
-    positions = positions_from(length, width)
+    positions = block_positions(length, width)
     inv_freq = ops.rope_inv_freq(spec.head_dim, dict(spec.rope))
     windows = spec.layer_windows or (None,) * spec.num_layers
     masks = {window: layer_mask(spec.causal, window, length, capacity, width) for window in set(windows)}
@@ -166,7 +168,7 @@ def block_forward(spec: Qwen3DraftSpec, params: dict, state: list, length, block
         h = h + ops.glu_mlp(layer["mlp"], x)
     hidden = ops.rms_norm(h, params["norm"]["weight"], spec.eps)
     if not spec.sample_from_anchor:
-        hidden = hidden[:, 1:]
+        hidden = hidden.reshape(batch, blocks, -1, hidden.shape[-1])[:, :, 1:].reshape(batch, -1, hidden.shape[-1])
     return ops.softcap(ops.linear(params["lm_head"], hidden), spec.softcap), hidden
 
 

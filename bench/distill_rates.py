@@ -1,0 +1,217 @@
+"""Distillation rates on the embedded target (SmolLM2-135M, float32), the
+three stages of ``dspark train`` that take the hours:
+
+- answers: answer tokens per second of the target answering training
+  prompts through the library's continuous batching, at several batch sizes
+  (the same prompts each time);
+- features: sequence tokens per second of the teacher-forced feature pass
+  (``distill.corpus.build_shard``) beside mlx-lm's own forward over the same
+  padded batches, with its output head at every position and without it;
+- training: anchor blocks per second of one optimizer step, and where a
+  step's time goes (data, context projection, block forward, heads, loss,
+  backward, optimizer), each part compiled and timed alone; beside it the
+  previous design of the block forward, one copy of the sequence's context
+  per anchor block (``length [B * N]``), forward and backward.
+
+    python bench/distill_rates.py                  # every section
+    SECTIONS=train ANCHORS=16,64 python bench/distill_rates.py
+    BATCHES=16,32,64 ANSWER_PROMPTS=96 ANSWER_TOKENS=96 SECTIONS=answers python bench/distill_rates.py
+
+Sequences come from the committed corpus (``corpus/*.jsonl.gz``); times are
+medians of ``REPEATS`` runs after a warm-up.
+"""
+
+import gzip
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.optimizers as optim
+import numpy as np
+
+from dspark_fn.distill import answers as answering
+from dspark_fn.distill import corpus as shards
+from dspark_fn.distill import objective, trainer
+from dspark_fn.distill.config import draft_config_for, initial_draft
+from dspark_fn.drafts import resolve_arch
+from dspark_fn.drafts.heads import slot_heads
+from dspark_fn.drafts.vocab import frequent_tokens
+from dspark_fn.models import load_target_named
+from dspark_fn.targets import resolve_target
+from dspark_fn.types import PairSpec, Params
+
+CORPUS = Path(__file__).resolve().parents[1] / "corpus" / "smollm2-135m-answers.jsonl.gz"
+SECTIONS = os.environ.get("SECTIONS", "answers,features,train").split(",")
+BATCHES = [int(b) for b in os.environ.get("BATCHES", "16,32,64").split(",")]
+ANSWER_PROMPTS = int(os.environ.get("ANSWER_PROMPTS", "96"))
+ANSWER_TOKENS = int(os.environ.get("ANSWER_TOKENS", "96"))
+FEATURE_ROWS = int(os.environ.get("FEATURE_ROWS", "64"))
+ANCHORS = [int(a) for a in os.environ.get("ANCHORS", "16,64").split(",")]
+SEQUENCES = int(os.environ.get("SEQUENCES", "8"))
+LAYERS = int(os.environ.get("LAYERS", "2"))
+REPEATS = int(os.environ.get("REPEATS", "5"))
+TAPS = (1, 14, 27)
+MAX_LENGTH = 512
+
+
+def median_seconds(fn, repeats: int = REPEATS) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def corpus_answers(count: int) -> list:
+    with gzip.open(CORPUS, "rt") as lines:
+        return [answering.Answer(**json.loads(line)) for line, _ in zip(lines, range(count))]
+
+
+def target():
+    config, params, tokenizer = load_target_named(None, dtype=mx.float32)
+    adapter = resolve_target(config)
+    return config, adapter, adapter.spec_from_config(config), params
+
+
+def answers_section(config, adapter, spec, params) -> None:
+    from dspark_fn.evaluate import stop_tokens
+    from dspark_fn.models import load_target_named as load
+
+    _, _, tokenizer = load(None)
+    draft_config = draft_config_for(config, 1)
+    arch = resolve_arch(draft_config)
+    draft_spec = arch.spec_from_config(draft_config)
+    pair = Params(PairSpec(adapter, spec, arch, draft_spec), params, initial_draft(arch, draft_spec, spec, params))
+    prompts = [("corpus", a.prompt) for a in corpus_answers(ANSWER_PROMPTS)]
+    print(f"\nanswers: {len(prompts)} prompts, up to {ANSWER_TOKENS} tokens each")
+    print(f"{'batch':>6} {'answer tokens':>14} {'seconds':>8} {'tokens/s':>9}")
+    for batch in BATCHES:
+        answering.answer_prompts(pair, prompts[:batch], Path(f"/tmp/dspark-bench-warm-{batch}.jsonl"), 10**9, 8,
+                                 stop_tokens(tokenizer), batch)  # compiles this batch's kernels
+        path = Path(f"/tmp/dspark-bench-answers-{batch}.jsonl")
+        path.unlink(missing_ok=True)
+        start = time.perf_counter()
+        done = answering.answer_prompts(pair, prompts, path, 10**9, ANSWER_TOKENS, stop_tokens(tokenizer), batch)
+        seconds = time.perf_counter() - start
+        tokens = sum(len(a.answer) for a in done)
+        print(f"{batch:>6} {tokens:>14} {seconds:>8.1f} {tokens / seconds:>9.1f}")
+
+
+def features_section(config, adapter, spec, params) -> None:
+    from dspark_fn.checkpoints import mlx_lm_model
+
+    rows = sorted(corpus_answers(FEATURE_ROWS), key=lambda a: len(a.prompt) + len(a.answer))
+    tokens, _ = shards.sequence_arrays(rows, MAX_LENGTH)
+    real = sum(min(MAX_LENGTH, len(a.prompt) + len(a.answer)) for a in rows)
+    model = mlx_lm_model(config, params)
+    lengths = [min(MAX_LENGTH, len(a.prompt) + len(a.answer)) for a in rows]
+    batches = []
+    for begin in range(0, len(rows), shards.PASS_ROWS):  # the same padded batches as the feature pass
+        used = -(-max(lengths[begin : begin + shards.PASS_ROWS]) // shards.LENGTH_STEP) * shards.LENGTH_STEP
+        batches.append(mx.array(tokens[begin : begin + shards.PASS_ROWS, :used]))
+    ours = median_seconds(lambda: shards.build_shard(adapter, spec, params, TAPS, rows, MAX_LENGTH), 1)
+    with_head = median_seconds(lambda: [mx.eval(model(batch)) for batch in batches], 1)
+    backbone = median_seconds(lambda: [mx.eval(model.model(batch)) for batch in batches], 1)
+    print(f"\nfeatures: {len(rows)} sequences, {real} tokens (passes of {shards.PASS_ROWS}, each padded to its longest)")
+    for name, seconds in (("feature pass (taps + top-16 where the loss reads it)", ours),
+                          ("mlx-lm forward, head at every position", with_head),
+                          ("mlx-lm forward, no head", backbone)):
+        print(f"  {name:<55} {real / seconds:8.1f} tokens/s")
+
+
+def train_section(config, adapter, spec, params) -> None:
+    rows = corpus_answers(shards.SHARD_ROWS)
+    corpus = shards.Corpus(**{k: mx.array(v) for k, v in
+                              shards.build_shard(adapter, spec, params, TAPS, rows, MAX_LENGTH).items()})
+    vocab_ids = frequent_tokens([a.answer for a in corpus_answers(1000)], 4096, spec.vocab_size)
+    draft_config = draft_config_for(config, LAYERS, TAPS, 5, 32, draft_vocab=len(vocab_ids))
+    arch = resolve_arch(draft_config)
+    draft_spec = arch.spec_from_config(draft_config)
+    trainable, frozen = trainer.split_frozen(initial_draft(arch, draft_spec, spec, params, vocab_ids=vocab_ids))
+    vocabulary = objective.vocabulary_of(np.asarray(vocab_ids), spec.vocab_size)
+    candidates = objective.anchor_candidates(np.array(corpus.loss_mask))
+    usable = np.flatnonzero(candidates.any(axis=1))
+    gradients = trainer.loss_and_grad(arch, draft_spec)
+    optimizer = trainer.make_optimizer(trainer.TrainConfig())
+    optimizer.init(trainable)
+    print(f"\ntraining: {LAYERS}-layer draft, block 5, {SEQUENCES} sequences a step, 4096-token vocabulary")
+    for count in ANCHORS:
+        rng = np.random.default_rng(0)
+
+        def batch():
+            chosen = rng.choice(usable, size=SEQUENCES, replace=False)
+            return objective.sample_batch(corpus, candidates, chosen, count, rng)
+
+        fixed = batch()
+
+        def context(tr, fr, b):
+            state = arch.init_context(draft_spec, SEQUENCES, b.tokens.shape[1])
+            return arch.extend_context(draft_spec, tr | fr, state, b.features, mx.zeros((SEQUENCES,), mx.int32))
+
+        def blocks(tr, fr, b, state):
+            anchor_tokens = mx.take_along_axis(b.tokens, b.anchors, axis=1).astype(mx.int32)
+            masks = mx.full((SEQUENCES, count, 4), draft_spec.mask_token_id, mx.int32)
+            block_ids = mx.concatenate([anchor_tokens[..., None], masks], axis=2).reshape(SEQUENCES, -1)
+            return arch.block_forward(draft_spec, tr | fr, state, b.anchors, block_ids)
+
+        context, blocks = mx.compile(context), mx.compile(blocks)
+        state = context(trainable, frozen, fixed)
+        base, hidden = blocks(trainable, frozen, fixed, state)
+        flat = (SEQUENCES * count, 5)
+        prev = objective._block_tokens(fixed.tokens, fixed.anchors, 5, 0).reshape(flat)
+        forward = mx.compile(lambda tr, fr, b, v: objective.dspark_loss(arch, draft_spec, tr | fr, b, v)[0])
+        heads = mx.compile(lambda tr, fr, base, hidden: slot_heads(draft_spec, tr | fr, base.reshape(*flat, -1),
+                                                                   hidden.reshape(*flat, -1), prev))
+        (_, _), grads = gradients(trainable, frozen, fixed, vocabulary)
+
+        def copied_context_blocks(tr, fr, b):  # the previous design: a context copy per block
+            state = [tuple(mx.repeat(x, count, axis=0) for x in layer) for layer in context(tr, fr, b)]
+            anchor_tokens = mx.take_along_axis(b.tokens, b.anchors, axis=1).reshape(-1).astype(mx.int32)
+            masks = mx.full((SEQUENCES * count, 4), draft_spec.mask_token_id, mx.int32)
+            block_ids = mx.concatenate([anchor_tokens[:, None], masks], axis=1)
+            return arch.block_forward(draft_spec, tr | fr, state, b.anchors.reshape(-1), block_ids)[0].sum()
+
+        copied = mx.compile(mx.value_and_grad(copied_context_blocks))
+        shared = mx.compile(mx.value_and_grad(lambda tr, fr, b: blocks(tr, fr, b, context(tr, fr, b))[0].sum()))
+
+        def update():
+            clipped, _ = optim.clip_grad_norm(grads, 1.0)
+            mx.eval(optimizer.apply_gradients(clipped, trainable), optimizer.state)
+
+        def step():
+            b = batch()
+            (loss, _), step_grads = gradients(trainable, frozen, b, vocabulary)
+            clipped, _ = optim.clip_grad_norm(step_grads, 1.0)
+            mx.eval(optimizer.apply_gradients(clipped, trainable), optimizer.state, loss)
+
+        parts = {
+            "data (sample_batch)": median_seconds(lambda: mx.eval(*batch())),
+            "context projection": median_seconds(lambda: mx.eval(context(trainable, frozen, fixed))),
+            "block forward": median_seconds(lambda: mx.eval(blocks(trainable, frozen, fixed, state))),
+            "Markov and confidence heads": median_seconds(lambda: mx.eval(heads(trainable, frozen, base, hidden))),
+            "whole loss, forward": median_seconds(lambda: mx.eval(forward(trainable, frozen, fixed, vocabulary))),
+            "forward + backward": median_seconds(lambda: mx.eval(gradients(trainable, frozen, fixed, vocabulary))),
+            "clip + AdamW": median_seconds(update),
+            "blocks, forward + backward": median_seconds(lambda: mx.eval(shared(trainable, frozen, fixed))),
+            "  the same, a context copy per block": median_seconds(lambda: mx.eval(copied(trainable, frozen, fixed))),
+        }
+        whole = median_seconds(step)
+        print(f"  {count} anchors a sequence ({SEQUENCES * count} blocks a step): {whole * 1000:.0f} ms a step, "
+              f"{SEQUENCES * count / whole:.0f} blocks/s")
+        for name, seconds in parts.items():
+            print(f"    {name:<30} {seconds * 1000:8.1f} ms")
+
+
+def main() -> None:
+    loaded = target()
+    for name in SECTIONS:
+        {"answers": answers_section, "features": features_section, "train": train_section}[name](*loaded)
+
+
+if __name__ == "__main__":
+    main()
