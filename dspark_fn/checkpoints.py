@@ -37,8 +37,9 @@ def read_safetensors(directory: Path, what: str) -> dict:
     return weights
 
 
-def load_target(directory) -> tuple:
-    """``(adapter, spec, params, config)`` of an HF/mlx-lm target directory."""
+def load_target(directory, lazy: bool = False) -> tuple:
+    """``(adapter, spec, params, config)`` of an HF/mlx-lm target directory
+    (``lazy``: each tensor is read when first evaluated)."""
     from mlx_lm.utils import load_model
 
     directory = Path(directory)
@@ -57,7 +58,7 @@ def load_target(directory) -> tuple:
     else:
         # mlx-lm's loader reads lazily and drops a multimodal release's
         # vision and audio towers before anything is evaluated.
-        model, loaded = load_model(directory, lazy=False)
+        model, loaded = load_model(directory, lazy=lazy)
         params = dict(tree_unflatten(tree_flatten(model.parameters())))
         if text is config:
             text = loaded

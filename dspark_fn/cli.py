@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -46,18 +47,34 @@ def add_chat_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def load(args):
-    """``(params, tokenizer or None, target config)`` from --model/--draft/--quant-draft."""
+    """``(params, tokenizer or None, target config)`` from --model/--draft/--quant-draft.
+    Under ``mlx.launch`` every rank keeps its share of the target, and only rank 0 prints."""
+    from .distributed import load_sharded, world
     from .models import load_named
 
     import mlx.core as mx
 
     dtype = getattr(mx, args.dtype) if args.dtype else None
-    params, tokenizer, config = load_named(args.model, args.draft, args.quant_target, dtype)
+    group = world()
+    if group.size() > 1:
+        if getattr(args, "compare", False):
+            raise SystemExit("dspark: --compare runs the target alone in one process: drop it under mlx.launch")
+        params, tokenizer, config = load_sharded(group, args.model, args.draft, args.quant_target, dtype)
+        if group.rank() != 0:
+            sys.stdout = open(os.devnull, "w")
+    else:
+        params, tokenizer, config = load_named(args.model, args.draft, args.quant_target, dtype)
     if args.quant_draft:
         from .quantize import quantize_draft
 
         params = params._replace(draft=quantize_draft(params.draft, args.quant_draft))
     return params, tokenizer, config
+
+
+def world_group():
+    from .distributed import world
+
+    return world()
 
 
 def prompt_list(args, tokenizer) -> list[list[int]]:
@@ -175,7 +192,13 @@ def run_generate(args) -> int:
         for row_tokens, row_rounds, stats in zip(tokens, rounds, acceptance)
     ]
     if args.json:
-        print(json.dumps(reports[0] if len(prompts) == 1 else {"batch": reports}))
+        report = reports[0] if len(prompts) == 1 else {"batch": reports}
+        group = world_group()
+        if group.size() > 1:
+            from .distributed import rank_report
+
+            report["ranks"] = rank_report(params, group)
+        print(json.dumps(report))
         return 0
     if stream:
         stream.close()

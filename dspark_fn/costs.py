@@ -3,7 +3,8 @@
 The cost curve (draft kernel, verify kernel of each width) is timed once per
 model, device, batch size and sampling mode at a reference context, and kept
 in ``~/.cache/dspark_fn``; ``verify_policy`` turns a width setting into the
-``VerifyPolicy`` the driver plans with.
+``VerifyPolicy`` the driver plans with. Over several ranks every rank times
+the kernels together (they hold collectives) and all take rank 0's curve.
 """
 
 import mlx.core as mx
@@ -12,6 +13,7 @@ from mlx.utils import tree_flatten
 from .rounds import check_width, init_cache, no_proposal, propose, verify
 from .sampling import GREEDY, batch_sampling
 from .schedule import CostCurve, VerifyPolicy, cached_costs, cost_key, fastest_seconds, monotone, width_buckets
+from .sharding import agree
 from .types import Params
 
 COST_CAPACITY = 512  # cost curves are measured at this context (a typical chat turn)
@@ -31,6 +33,13 @@ def measure_costs(params: Params, batch_size: int, widths, sampling=GREEDY) -> C
     runs = {width: lambda width=width: verify_round(width) for width in widths}
     seconds = fastest_seconds(runs | {"draft": lambda: propose(params, cache, tokens, sampling)})
     return CostCurve(seconds.pop("draft"), monotone(seconds))
+
+
+def agreed(costs: CostCurve) -> CostCurve:
+    """Rank 0's curve on every rank of the group."""
+    widths = sorted(costs.verify)
+    values = agree([costs.draft] + [costs.verify[width] for width in widths]).tolist()
+    return CostCurve(values[0], dict(zip(widths, values[1:])))
 
 
 def model_signature(params: Params) -> str:
@@ -61,8 +70,12 @@ def verify_policy(
     check_width(spec, widest)
     buckets = width_buckets(spec.block_size, widest)
     if auto and costs is None:
-        key = cost_key(model_signature(params), batch_size, COST_CAPACITY, batch_sampling(sampling, batch_size)[1])
-        costs = cached_costs(key, lambda: measure_costs(params, batch_size, buckets, sampling))
+        measure = lambda: measure_costs(params, batch_size, buckets, sampling)  # noqa: E731
+        if mx.distributed.init().size() > 1:  # a cache hit on one rank only would leave the others timing alone
+            costs = agreed(measure())
+        else:
+            key = cost_key(model_signature(params), batch_size, COST_CAPACITY, batch_sampling(sampling, batch_size)[1])
+            costs = cached_costs(key, measure)
     return VerifyPolicy(widest, buckets, confidence_threshold, costs if auto else None)
 
 

@@ -124,11 +124,13 @@ def is_gguf_source(target: str) -> bool:
     return target == "smollm2-gguf" or target.endswith(".gguf")
 
 
-def load_named(model: str | None = None, draft: str | None = None, quant_target: int | None = None, dtype=None):
+def load_named(model: str | None = None, draft: str | None = None, quant_target: int | None = None, dtype=None,
+               lazy: bool = False):
     """``(params, tokenizer or None, target config)`` for an alias, hub ids or
     local paths; ``dtype`` casts the target's float weights (e.g. bf16
     releases to float32, the fast dtype on CPUs); ``quant_target`` (4 or 8)
-    then quantizes it, so the draft shares the quantized embedding and head."""
+    then quantizes it, so the draft shares the quantized embedding and head.
+    ``lazy``: a checkpoint directory's tensors are read when first evaluated."""
     from . import checkpoints
     from .hub import fetch
 
@@ -136,11 +138,11 @@ def load_named(model: str | None = None, draft: str | None = None, quant_target:
     if (model or DEFAULT_ALIAS) in ALIASES:
         check_fits(model or DEFAULT_ALIAS)
     draft_dir = fetch(draft, "draft")
-    config, target_params, tokenizer = load_target_named(target, quant_target, dtype)
+    config, target_params, tokenizer = load_target_named(target, quant_target, dtype, lazy)
     return checkpoints.pair_with_draft(config, target_params, draft_dir), tokenizer, config
 
 
-def load_target_named(target: str | None = None, quant_target: int | None = None, dtype=None):
+def load_target_named(target: str | None = None, quant_target: int | None = None, dtype=None, lazy: bool = False):
     """``(config, target params, tokenizer or None)`` of a target alone: an
     alias's target, a hub id, a local directory or a llama ``.gguf`` file
     (``None``: the embedded SmolLM2-135M-Instruct)."""
@@ -153,7 +155,7 @@ def load_target_named(target: str | None = None, quant_target: int | None = None
         config, target_params, tokenizer = gguf.load_gguf_llama(path)
     else:
         target_dir = fetch(target, "target")
-        _, _, target_params, config = checkpoints.load_target(target_dir)
+        _, _, target_params, config = checkpoints.load_target(target_dir, lazy)
         tokenizer = checkpoints.load_tokenizer(target_dir)
     if dtype is not None:
         target_params = cast_floats(target_params, dtype)
@@ -162,6 +164,20 @@ def load_target_named(target: str | None = None, quant_target: int | None = None
 
         target_params, config = quantize_target(config, target_params, quant_target)
     return config, target_params, tokenizer
+
+
+def target_config_named(target: str | None = None) -> dict:
+    """The text-model config of a target, read without its weights."""
+    from . import checkpoints, gguf
+    from .hub import fetch
+    from .targets import text_model_config
+
+    target = ALIASES[target].target if target in ALIASES else target or ALIASES[DEFAULT_ALIAS].target
+    if is_gguf_source(target):
+        path = gguf.find_smollm2_gguf() if target == "smollm2-gguf" else Path(target)
+        tensors, metadata = gguf.read_gguf(path)  # mx.load reads a tensor's data when it is evaluated
+        return gguf.config_from_metadata(metadata, set(tensors))
+    return text_model_config(checkpoints.read_config(fetch(target, "target"), "target"))
 
 
 def cast_floats(tree, dtype):

@@ -11,6 +11,11 @@ import mlx.core as mx
 import mlx.nn as nn
 
 
+# Markers a tensor-parallel target's modules carry (``sharding.py``): their
+# values are unused, their presence says what a rank's share of the module is.
+PARTIAL_SUM = "partial_sum"  # a linear over this rank's input columns: its outputs sum over the ranks
+VOCAB_SHARD = "vocab_shard"  # a table of this rank's vocabulary rows (value: the first row's id)
+
 QUANT_BITS = (2, 3, 4, 5, 6, 8)
 # Microscaling modes: power-of-two uint8 scales, no biases; (group, bits) -> mode.
 MICROSCALING = {(32, 8): "mxfp8", (32, 4): "mxfp4", (16, 4): "nvfp4"}
@@ -47,12 +52,17 @@ def quantization(p: dict, columns: int) -> Quantization:
 
 
 def linear(p: dict, x: mx.array) -> mx.array:
-    """``x @ W.T (+ b)`` for a dense or an MLX-quantized weight."""
+    """``x @ W.T (+ b)`` for a dense or an MLX-quantized weight; a rank's
+    share of a tensor-parallel weight is summed or gathered over the ranks."""
     if "scales" in p:
         quant = quantization(p, x.shape[-1])
         y = mx.quantized_matmul(x, p["weight"], p["scales"], p.get("biases"), transpose=True, **quant.kwargs())
     else:
         y = x @ p["weight"].T
+    if PARTIAL_SUM in p:
+        y = mx.distributed.all_sum(y)
+    if VOCAB_SHARD in p:  # each rank holds a stretch of the output rows: gather them in rank order
+        y = mx.moveaxis(mx.distributed.all_gather(mx.moveaxis(y, -1, 0)), 0, -1)
     if "bias" in p:
         y = y + p["bias"]
     return y
@@ -69,7 +79,15 @@ def grouped_linear(p: dict, x: mx.array) -> mx.array:
 
 
 def embed(p: dict, ids: mx.array, dim: int) -> mx.array:
-    """Rows ``ids`` of a dense or an MLX-quantized ``[V, dim]`` table."""
+    """Rows ``ids`` of a dense or an MLX-quantized ``[V, dim]`` table (of a
+    vocabulary-sharded one: each rank looks up its own rows, zeros for the
+    others', and the ranks sum)."""
+    if VOCAB_SHARD in p:
+        local = ids - p[VOCAB_SHARD]
+        owned = (local >= 0) & (local < p["weight"].shape[0])
+        table = {key: value for key, value in p.items() if key != VOCAB_SHARD}
+        rows = embed(table, mx.where(owned, local, 0), dim)
+        return mx.distributed.all_sum(mx.where(owned[..., None], rows, 0))
     if "scales" in p:
         quant = quantization(p, dim)
         biases = p["biases"][ids] if "biases" in p else None

@@ -20,6 +20,12 @@ class TargetAdapter:
         decoder layers listed in ``taps`` (``[B, L, len(taps) * d]``).
     logits(spec, params, hidden) -> [..., V]
     load_params(directory) -> params   optional; without it the tree is mlx-lm's
+    shard_tensor(spec, params, ranks) -> (spec, params)
+        optional: this rank's share of a tensor-parallel target (``sharding.py``);
+        the spec counts the rank's own heads
+    tensor_splits(config) -> {what: count}
+        with ``shard_tensor``: the counts it divides by the number of ranks,
+        so a split that cannot work is refused before any weight is read
     prompt_forward(spec, params, kv, tokens, start, taps, first, end)
         optional: ``forward`` for prefill chunks of prompts spanning positions
         ``first[b] .. end[b] - 1``, for families whose state depends on how
@@ -37,6 +43,8 @@ class TargetAdapter:
     logits: Callable
     load_params: Callable | None = None
     prompt_forward: Callable | None = None
+    shard_tensor: Callable | None = None
+    tensor_splits: Callable | None = None
 
 
 def concat_taps(tapped: dict, taps: tuple):

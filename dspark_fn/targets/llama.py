@@ -4,13 +4,14 @@ Covers the variants by what the parameter tree holds: q/k/v biases (qwen2)
 and per-head q/k RMSNorm (qwen3) are applied when present.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 
 from .. import ops
 from ..cache import causal_mask, kv_buffers, positions_from, write_rows
 from ..layers.llama import AttentionFields, attention_fields
+from ..sharding import Ranks, input_columns, output_rows, vocabulary_rows
 from .base import TargetAdapter, concat_taps, output_head
 
 
@@ -87,4 +88,41 @@ def logits(spec: LlamaSpec, params: dict, hidden: mx.array) -> mx.array:
     return ops.linear(output_head(params, spec.tied), hidden)
 
 
-ADAPTER = TargetAdapter(spec_from_config=spec_from_config, init_kv=init_kv, forward=forward, logits=logits)
+def shard_tensor(spec: LlamaSpec, params: dict, ranks: Ranks) -> tuple[LlamaSpec, dict]:
+    """This rank's share (``sharding.py``): whole query and key/value heads,
+    its MLP columns, its stretch of the vocabulary."""
+    def layer(p: dict) -> dict:
+        attn, mlp = p["self_attn"], p["mlp"]
+        attn = dict(
+            attn,
+            q_proj=output_rows(attn["q_proj"], ranks, "query heads", spec.head_dim),
+            k_proj=output_rows(attn["k_proj"], ranks, "key/value heads", spec.head_dim),
+            v_proj=output_rows(attn["v_proj"], ranks, "key/value heads", spec.head_dim),
+            o_proj=input_columns(attn["o_proj"], ranks, "attention output columns"),
+        )
+        mlp = dict(
+            mlp,
+            gate_proj=output_rows(mlp["gate_proj"], ranks, "MLP columns"),
+            up_proj=output_rows(mlp["up_proj"], ranks, "MLP columns"),
+            down_proj=input_columns(mlp["down_proj"], ranks, "MLP columns"),
+        )
+        return dict(p, self_attn=attn, mlp=mlp)
+
+    model = params["model"]
+    model = dict(model, layers=[layer(p) for p in model["layers"]],
+                 embed_tokens=vocabulary_rows(model["embed_tokens"], ranks))
+    sharded = dict(params, model=model)
+    if not spec.tied:
+        sharded["lm_head"] = vocabulary_rows(params["lm_head"], ranks)
+    return replace(spec, num_heads=spec.num_heads // ranks.size, num_kv_heads=spec.num_kv_heads // ranks.size), sharded
+
+
+def tensor_splits(config: dict) -> dict:
+    """What ``shard_tensor`` divides by the number of ranks, read from the config alone."""
+    fields = attention_fields(config)
+    return {"query heads": fields["num_heads"], "key/value heads": fields["num_kv_heads"],
+            "MLP columns": config["intermediate_size"], "vocabulary rows": config["vocab_size"]}
+
+
+ADAPTER = TargetAdapter(spec_from_config=spec_from_config, init_kv=init_kv, forward=forward, logits=logits,
+                        shard_tensor=shard_tensor, tensor_splits=tensor_splits)
