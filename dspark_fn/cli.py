@@ -337,10 +337,14 @@ def run_serve(args) -> int:
     if tokenizer is None:
         raise SystemExit("dspark: this model has no tokenizer; the server needs one to read requests")
     name = args.model or "smollm2-135m"
+    group = world_group()
     engine = Engine(
         params, max_batch=args.max_batch, max_context=args.max_context,
-        prompt_cache_bytes=args.prompt_cache_mb << 20, **verify_options(args),
+        prompt_cache_bytes=args.prompt_cache_mb << 20, group=group, **verify_options(args),
     )
+    if group.rank() != 0:  # no clients here: the same engine loop, its inputs from rank 0
+        engine.follow()
+        return 1 if engine.dead else 0
     print(f"dspark: serving {name} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     if serve(engine, tokenizer, name, args.host, args.port):
         raise SystemExit(f"dspark: the decoding engine failed and could not start again ({engine.failure})")

@@ -66,6 +66,19 @@ def load_sharded(group, model=None, draft=None, quant_target=None, dtype=None) -
     return params, tokenizer, config
 
 
+def share(payload: bytes, group) -> bytes:
+    """Rank 0's ``payload`` on every rank (the others pass anything): its length, then its bytes, each an all_sum."""
+    import numpy as np
+
+    from .sharding import agree
+
+    length = int(agree([len(payload)], group).item())
+    data = np.zeros(length, np.uint8)
+    if group.rank() == 0:
+        data[:] = np.frombuffer(payload, np.uint8)
+    return bytes(np.array(mx.distributed.all_sum(mx.array(data), group=group)))
+
+
 def rank_report(params: Params, group) -> list[dict]:
     """``[{"rank", "target_bytes"}]`` for every rank: the target weights each one holds."""
     mine = mx.zeros((group.size(),), mx.int64).at[group.rank()].add(resident_bytes(params.target))

@@ -62,15 +62,16 @@ def pair(tmp_path_factory):
 
 
 @contextmanager
-def running_server(root, max_batch: int, verify: str | int = "auto"):
-    """``dspark serve`` of ``root/target`` + ``root/draft``: ``(base url, process, log)``;
+def running_server(root, max_batch: int, verify: str | int = "auto", launcher: tuple = ()):
+    """``dspark serve`` of ``root/target`` + ``root/draft`` (started through
+    ``launcher``, e.g. ``mlx.launch -n 2``): ``(base url, process, log)``;
     stopped on leaving, whatever happened (killed if SIGTERM does not end it)."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     log = root / "server.log"
     process = subprocess.Popen(
-        [sys.executable, "-m", "dspark_fn.cli", "serve", "--model", str(root / "target"), "--draft", str(root / "draft"),
+        [*launcher, sys.executable, "-m", "dspark_fn.cli", "serve", "--model", str(root / "target"), "--draft", str(root / "draft"),
          "--port", str(port), "--max-batch", str(max_batch), "--max-context", "512", "--dtype", "float32",
          "--verify", str(verify)],
         stdout=log.open("w"), stderr=subprocess.STDOUT, env=dict(os.environ, DSPARK_FN_CACHE=str(root / "costs")),

@@ -16,6 +16,14 @@ repeat them: attention slots serve any shorter prefix, but a recurrent
 state holds only after every committed token, so such a row keeps the
 recurrent states it had before that round instead.
 
+Over several ranks (``mlx.launch``) rank 0 serves HTTP and every rank runs
+this same thread on its share of the target. The thread's only inputs are
+the requests that arrived, the cancellations and the stop: at the top of
+each pass rank 0 takes them as one batch of inputs and sends it to every
+rank (``distributed.share``), and every rank applies the same inputs to the
+same state, so all take the same decisions and run the same kernels;
+``follow`` is the loop of a rank without clients.
+
 The thread is supervised: an exception inside it (in a round, a prefill)
 ends each request in the batch with an ``("error", message)`` event,
 ``failure`` names it until the engine runs again, and the engine starts
@@ -25,6 +33,7 @@ cannot start again is ``dead``: every request ends with the failure, new
 ones are refused, and the server is to exit.
 """
 
+import json
 import queue
 import threading
 import traceback
@@ -57,6 +66,8 @@ class Request:
     acceptance: Acceptance = field(default_factory=Acceptance)
     cached_tokens: int = 0  # prompt tokens reused from the prompt cache
     produced: int = 0
+    number: int = -1  # the engine's count of it, the same on every rank
+    dropped: bool = False  # cancelled, as the engine has taken it in (at the same pass on every rank)
     _cancelled: threading.Event = field(default_factory=threading.Event)
 
     def cancel(self) -> None:
@@ -65,6 +76,18 @@ class Request:
     @property
     def cancelled(self) -> bool:
         return self._cancelled.is_set()
+
+    def settings(self) -> dict:
+        """What another rank needs to run the same request."""
+        sampling = self.sampling
+        return {"prompt": self.prompt, "max_tokens": self.max_tokens, "seed": self.seed,
+                "sampling": [sampling.temperature, sampling.top_k, sampling.top_p],
+                "stop_tokens": sorted(self.stop_tokens)}
+
+    @classmethod
+    def from_settings(cls, settings: dict) -> "Request":
+        return cls(settings["prompt"], settings["max_tokens"], Sampling(*settings["sampling"]), settings["seed"],
+                   frozenset(settings["stop_tokens"]))
 
 
 class EngineFailure(RuntimeError):
@@ -155,10 +178,13 @@ class Engine:
     what is in flight and stops the thread."""
 
     def __init__(self, params: Params, max_batch: int = 8, max_context: int = 4096,
-                 prompt_cache_bytes: int = 1 << 30, **decoder_options):
+                 prompt_cache_bytes: int = 1 << 30, group=None, **decoder_options):
         self.params, self.max_context, self.max_batch = params, max_context, max_batch
+        self.group = group if group is not None and group.size() > 1 else None
         self.prompt_cache = PromptCache(prompt_cache_bytes)
-        self.waiting: deque = deque()
+        self.arrived: deque = deque()  # submitted, not yet taken in by the engine thread
+        self.waiting: deque = deque()  # taken in, waiting for a row
+        self.taken = 0  # requests taken in so far
         self.rows: dict = {}  # row -> (request, every token in the row: prompt + generated)
         self.wake = threading.Condition()
         self.stopping = False
@@ -171,10 +197,18 @@ class Engine:
         self.thread = threading.Thread(
             target=self._run, args=(decoder_options, started), name="dspark-engine", daemon=True
         )
+        if self.group is not None and self.group.rank() != 0:
+            self.thread = None  # a rank without clients runs the loop in ``follow``
+            self._options = decoder_options
+            return
         self.thread.start()
         started.wait()
         if self.decoder is None:
             raise RuntimeError("the decoding engine failed to start (see the error above)")
+
+    def follow(self) -> None:
+        """The engine loop of a rank other than 0, until rank 0 stops."""
+        self._run(self._options, threading.Event())
 
     def submit(self, request: Request) -> Request:
         if len(request.prompt) + request.max_tokens + self.decoder.policy.max_width > self.max_context:
@@ -186,14 +220,14 @@ class Engine:
             if self.stopping:
                 raise RuntimeError(f"the decoding engine stopped after a failure: {self.failure}" if self.dead
                                    else "the engine is shutting down")
-            self.waiting.append(request)
+            self.arrived.append(request)
             self.wake.notify()
         return request
 
     def cancel_all(self) -> None:
         """End every waiting and running request at the next round (shutting down)."""
         with self.wake:
-            for request in list(self.waiting) + [r for r, _ in self.rows.values()]:
+            for request in list(self.arrived) + list(self.waiting) + [r for r, _ in self.rows.values()]:
                 request.cancel()
             self.wake.notify()
 
@@ -207,7 +241,7 @@ class Engine:
         return {
             "active": len(self.rows),
             "batch": self.decoder.batch,
-            "waiting": len(self.waiting),
+            "waiting": len(self.waiting) + len(self.arrived),
             "prompt_cache": {"entries": len(self.prompt_cache.entries), "bytes": self.prompt_cache.used,
                              "hits": self.prompt_cache.hits, "misses": self.prompt_cache.misses},
         }
@@ -230,8 +264,9 @@ class Engine:
         finally:
             with self.wake:  # the thread ends: nothing more is queued for it
                 self.stopping = True
-                ended = [r for r, _ in self.rows.values()] + list(self.waiting)
+                ended = [r for r, _ in self.rows.values()] + list(self.waiting) + list(self.arrived)
                 self.waiting.clear()
+                self.arrived.clear()
             for request in ended:
                 request.events.put(("error", self.failure) if self.dead else ("done", "cancelled"))
 
@@ -266,10 +301,35 @@ class Engine:
             return True
 
     def _wait_for_work(self) -> bool:
-        with self.wake:
-            while not self.stopping and not self.waiting and not self.rows:
-                self.wake.wait()
-            return not self.stopping
+        """Take in this pass's inputs (the same on every rank); False once stopping."""
+        if self.group is None or self.group.rank() == 0:
+            with self.wake:
+                while not self.stopping and not self.arrived and not self.waiting and not self.rows:
+                    self.wake.wait()
+                known = list(self.waiting) + [request for request, _ in self.rows.values()]
+                inputs = {"arrived": [request.settings() | {"cancelled": request.cancelled} for request in self.arrived],
+                          "cancelled": [r.number for r in known if r.cancelled and not r.dropped],
+                          "stop": self.stopping}
+                arrived = list(self.arrived)
+                self.arrived.clear()
+        if self.group is not None:
+            from ..distributed import share
+
+            inputs = json.loads(share(json.dumps(inputs).encode() if self.group.rank() == 0 else b"", self.group))
+            if self.group.rank() != 0:
+                arrived = [Request.from_settings(settings) for settings in inputs["arrived"]]
+        self._take_in(arrived, inputs)
+        return not self.stopping
+
+    def _take_in(self, arrived: list, inputs: dict) -> None:
+        cancelled = set(inputs["cancelled"])
+        for request, settings in zip(arrived, inputs["arrived"]):
+            request.number, self.taken = self.taken, self.taken + 1
+            request.dropped = settings["cancelled"]
+            self.waiting.append(request)
+        for request in list(self.waiting) + [request for request, _ in self.rows.values()]:
+            request.dropped = request.dropped or request.number in cancelled
+        self.stopping = self.stopping or inputs["stop"]
 
     def _fit_batch(self) -> None:
         """Grow the batch for waiting requests, shrink it when rows have left."""
@@ -281,9 +341,8 @@ class Engine:
     def _admit(self) -> None:
         free = [row for row in range(self.decoder.batch) if row not in self.rows]
         while free and self.waiting:
-            with self.wake:
-                request = self.waiting.popleft()
-            if request.cancelled:
+            request = self.waiting.popleft()
+            if request.dropped:
                 request.events.put(("done", "cancelled"))
                 continue
             row = free.pop(0)
@@ -312,7 +371,7 @@ class Engine:
         budget; free the row when the request is finished or cancelled.
         ``before``: the committed counts and recurrent states before this round."""
         request, tokens = self.rows[row]
-        if request.cancelled:
+        if request.dropped:
             return self._finish(row, "cancelled", before)
         kept = emitted[: request.max_tokens - request.produced]
         stop = next((i for i, t in enumerate(kept) if t in request.stop_tokens), None)
