@@ -24,6 +24,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quant-draft", type=int, choices=(4, 8), help="quantize the draft's linear layers")
     parser.add_argument("--quant-target", type=int, choices=(4, 8),
                         help="quantize a float target at load, as mlx_lm.convert -q would (group 64)")
+    parser.add_argument("--pipeline", action="store_true", help="under mlx.launch: split the target into stretches "
+                        "of whole layers, one a rank (any family or head count), instead of by heads")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                         help="compute the target in this dtype (default: as stored; float32 is the fast dtype on CPUs)")
 
@@ -59,7 +61,7 @@ def load(args):
     if group.size() > 1:
         if getattr(args, "compare", False):
             raise SystemExit("dspark: --compare runs the target alone in one process: drop it under mlx.launch")
-        params, tokenizer, config = load_sharded(group, args.model, args.draft, args.quant_target, dtype)
+        params, tokenizer, config = load_sharded(group, args.model, args.draft, args.quant_target, dtype, args.pipeline)
         if group.rank() != 0:
             sys.stdout = open(os.devnull, "w")
     else:

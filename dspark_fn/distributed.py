@@ -1,8 +1,12 @@
 """Speculation over an ``mx.distributed`` group (``mlx.launch -n N ...``).
 
 Every rank runs the same program: it loads the pair, keeps its share of the
-target (``sharding.py``: tensor parallel) and the whole draft, and runs the
-same host loop. The ranks reach the same decisions because they see the
+target and the whole draft, and runs the same host loop. The share is a
+tensor-parallel one (``sharding.py``: every layer split by heads and
+columns) or, with ``pipeline``, a stretch of whole layers
+(``targets.base.pipeline_stages``: each rank runs its layers and hands the
+hidden state on, ``decoder_layers``), any family and any head count; either
+way the embedding and output head are split by vocabulary rows. The ranks reach the same decisions because they see the
 same numbers: the logits each round are whole on every rank, the seeds are
 the same, and the one host input drawn from a clock, the cost curve of the
 draft gate, is rank 0's on every rank (``sharding.agree``). Rank 0 alone
@@ -14,8 +18,9 @@ from dataclasses import replace
 import mlx.core as mx
 
 from .checkpoints import SHARED_WITH_TARGET
-from .sharding import Ranks, resident_bytes
+from .sharding import Ranks, resident_bytes, vocabulary_rows
 from .targets import resolve_target, target_module
+from .targets.base import pipeline_stages
 from .types import Params
 
 
@@ -24,21 +29,60 @@ def world():
     return mx.distributed.init()
 
 
-def check_split(config: dict, size: int) -> None:
-    """Refuse, from the target's config alone, a tensor-parallel split over ``size`` ranks that cannot work."""
+def check_split(config: dict, size: int, pipeline: bool = False) -> None:
+    """Refuse, from the target's config alone, a split over ``size`` ranks that cannot work."""
     adapter = resolve_target(config)
+    if pipeline:
+        pipeline_stages(config["num_hidden_layers"], size)
+        return
     if adapter.tensor_splits is None:
-        raise ValueError(f"{config['model_type']} targets have no tensor-parallel split: run them on one rank")
+        raise ValueError(f"{config['model_type']} targets have no tensor-parallel split: use --pipeline")
     ranks = Ranks(0, size)
     for what, count in adapter.tensor_splits(config).items():
         ranks.share(count, what)
 
 
-def shard_pair(params: Params, ranks: Ranks) -> Params:
-    """The pair with this rank's share of the target; the draft stays whole and
-    reads the target's shared embedding and head through their shards."""
+def layer_container(target: dict) -> str:
+    """Where a target tree keeps its decoder layers (Nemotron-H: under ``backbone``)."""
+    return "model" if "model" in target else "backbone"
+
+
+def pipeline_share(spec, target: dict, ranks: Ranks) -> dict:
+    """This rank's stretch of whole layers (``{}`` for the others') and vocabulary rows."""
+    root = layer_container(target)
+    layers = target[root]["layers"]
+    stage = pipeline_stages(len(layers), ranks.size)[ranks.rank]
+    sources = getattr(spec, "kv_source", range(len(layers)))  # Gemma 4: layers that read an earlier layer's keys
+    split = [index for index, source in enumerate(sources) if (index in stage) != (source in stage)]
+    if split:
+        raise ValueError(f"layer {split[0]} reads the keys of layer {sources[split[0]]}, which another rank runs: "
+                         f"use a number of ranks that keeps them together")
+    shared = {key: target_module(target, key) for key in SHARED_WITH_TARGET}
+    vocabulary = shared["embed_tokens.weight"]["weight"].shape[0]
+    split_rows = {
+        id(module): vocabulary_rows(module, ranks) if vocabulary % ranks.size == 0 else module
+        for module in shared.values()
+    }
+
+    def kept(tree):
+        if isinstance(tree, dict) and id(tree) in split_rows:
+            return split_rows[id(tree)]
+        return {key: kept(value) for key, value in tree.items()} if isinstance(tree, dict) else tree
+
+    target = kept(target)
+    target[root] = dict(target[root], layers=[layer if index in stage else {} for index, layer in enumerate(layers)])
+    return target
+
+
+def shard_pair(params: Params, ranks: Ranks, pipeline: bool = False) -> Params:
+    """The pair with this rank's share of the target (tensor parallel, or
+    pipeline); the draft stays whole and reads the target's shared
+    embedding and head through their shards."""
     spec = params.spec
-    target_spec, target = spec.target_adapter.shard_tensor(spec.target, params.target, ranks)
+    if pipeline:
+        target_spec, target = spec.target, pipeline_share(spec.target, params.target, ranks)
+    else:
+        target_spec, target = spec.target_adapter.shard_tensor(spec.target, params.target, ranks)
     shared = {
         id(target_module(params.target, key)["weight"]): target_module(target, key) for key in SHARED_WITH_TARGET
     }
@@ -49,7 +93,7 @@ def shard_pair(params: Params, ranks: Ranks) -> Params:
     return Params(replace(spec, target=target_spec), target, draft)
 
 
-def load_sharded(group, model=None, draft=None, quant_target=None, dtype=None) -> tuple:
+def load_sharded(group, model=None, draft=None, quant_target=None, dtype=None, pipeline: bool = False) -> tuple:
     """``load_named`` for this rank of ``group``: the split is checked from the
     config before any weight is read, the checkpoint read lazily, and only
     this rank's share of each target tensor kept (evaluated one at a time,
@@ -58,9 +102,9 @@ def load_sharded(group, model=None, draft=None, quant_target=None, dtype=None) -
 
     from .models import load_named, target_config_named
 
-    check_split(target_config_named(model), group.size())
+    check_split(target_config_named(model), group.size(), pipeline)
     params, tokenizer, config = load_named(model, draft, quant_target, dtype, lazy=True)
-    params = shard_pair(params, Ranks(group.rank(), group.size()))
+    params = shard_pair(params, Ranks(group.rank(), group.size()), pipeline)
     for _, value in tree_flatten((params.target, params.draft)):
         mx.eval(value)
     return params, tokenizer, config

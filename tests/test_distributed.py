@@ -1,5 +1,7 @@
-"""Tensor-parallel targets over 2 and 3 local processes (``mlx.launch``, ring
-backend on 127.0.0.1): logits and taps within the fp32 bound of the whole
+"""Targets split over 2 and 3 local processes (``mlx.launch``, ring backend on
+127.0.0.1), tensor parallel (llama family) and pipeline (the llama family
+with heads that do not divide, gemma4, deepseek_v4 and the hybrids
+lfm2, qwen3_5, nemotron_h): logits and taps within the fp32 bound of the whole
 target, greedy (fixed and auto width), seeded sampling (fixed width) and
 batched output identical to one process and across the ranks, seeded
 sampling with the draft gate identical across the ranks (the gate times a
@@ -12,12 +14,16 @@ Breaks tried, and what caught them:
 - the vocabulary head's shards gathered in reverse rank order: greedy,
   sampled and batched tokens differ, logits far outside the bound;
 - the draft gate timing its own cost curve on each rank (no ``agree``): the
-  ranks choose different widths and the run hangs until its timeout.
+  ranks choose different widths and the run hangs until its timeout;
+- a pipeline rank's taps taken from its own stream instead of their owner's
+  (``from_owner`` skipped for taps): the draft's proposals, and the taps
+  checked, differ.
 """
 
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +31,8 @@ from pathlib import Path
 import pytest
 
 from dspark_fn.distributed import check_split
-from helpers import build_draft, build_target, draft_config, target_config
+from helpers import PARITY, build_draft, build_target, draft_config, target_config
+from hybrids import HYBRID_SHAPES, hybrid_draft_config
 
 HERE = Path(__file__).parent
 # heads, key/value heads, MLP columns and vocabulary all divide by 2 and 3
@@ -33,6 +40,7 @@ TARGETS = {
     "qwen3": target_config("qwen3", vocab=264, hidden=96, layers=4, heads=6, kv_heads=6, head_dim=16),
     "llama-untied": target_config("llama", vocab=264, hidden=96, layers=4, heads=12, kv_heads=6, head_dim=8,
                                   tied=False),
+    "qwen3-4-heads": target_config("qwen3", vocab=264, hidden=64, layers=6, heads=4, kv_heads=2, head_dim=16),
 }
 
 
@@ -45,30 +53,81 @@ def launch(ranks: int, script: Path, *arguments, timeout: int = 300) -> subproce
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def llama_family(name: str):
+    def write(root: Path) -> None:
+        config = TARGETS[name]
+        build_target(root / "target", config, seed=1)
+        build_draft(root / "draft", draft_config(config, layers=1, taps=(1, 2), block_size=4), seed=2)
+
+    return write
+
+
+def hybrid(name: str):
+    def write(root: Path) -> None:
+        config = HYBRID_SHAPES[name]
+        build_target(root / "target", config, seed=3, vector_spread=0.4)
+        last = config["num_hidden_layers"] - 1
+        build_draft(root / "draft", hybrid_draft_config(config, taps=(0, last - 1), block_size=4), seed=1)
+
+    return write
+
+
+def gemma4(root: Path) -> None:
+    shutil.copytree(PARITY / "gemma4_tiny" / "target", root / "target")
+    shutil.copytree(PARITY / "gemma4_tiny" / "draft", root / "draft")
+
+
+def deepseek_v4(root: Path) -> None:
+    from test_deepseek_v4 import TEXT, write_pair
+
+    write_pair(root, TEXT, seed=1)
+
+
+CASES = {  # name -> (writer, whether mlx-lm reads the target)
+    "qwen3": (llama_family("qwen3"), True), "llama-untied": (llama_family("llama-untied"), True),
+    "qwen3-4-heads": (llama_family("qwen3-4-heads"), True), "gemma4": (gemma4, True),
+    "deepseek_v4": (deepseek_v4, False), "lfm2": (hybrid("lfm2"), True), "qwen3_5": (hybrid("qwen3_5"), True),
+    "nemotron_h": (hybrid("nemotron_h"), True),
+}
+
+
 def write_case(root: Path, name: str) -> Path:
-    config = TARGETS[name]
-    build_target(root / "target", config, seed=1)
-    build_draft(root / "draft", draft_config(config, layers=1, taps=(1, 2), block_size=4), seed=2)
+    writer, drive = CASES[name]
+    root.mkdir(parents=True)
+    writer(root)
+    (root / "case.json").write_text(json.dumps({"name": name, "drive": drive}))
     return root
 
 
-@pytest.mark.parametrize("name, ranks", [("qwen3", 2), ("qwen3", 3), ("llama-untied", 2)])
-def test_a_tensor_parallel_target_decodes_as_one_process(name, ranks, tmp_path):
-    case = write_case(tmp_path / "case", name)
-    done = launch(ranks, HERE / "distributed_worker.py", case, tmp_path)
-    reports = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(ranks)]
-    errors = [r["error"] for r in reports if "error" in r]
-    assert not errors, errors[0] + done.stderr[-2000:]
-    first = reports[0]
-    for report in reports:
-        forward = report["forward"]
-        assert forward["logits"] <= forward["logits_bound"] and forward["taps"] <= forward["taps_bound"], forward
-        for name in ("greedy", "greedy_width_3", "sampled_width_3", "batched"):
-            assert report[name] == report[f"{name}_whole"], f"rank {report['rank']}: {name}"
-        for name in ("greedy", "greedy_width_3", "sampled_width_3", "sampled", "batched"):
-            assert report[name] == first[name], f"rank {report['rank']}: {name}"  # every rank emitted the same
-    whole = sum(r["target_bytes"] for r in first["ranks"])
-    assert all(abs(r["target_bytes"] - whole / ranks) < 0.05 * whole / ranks for r in first["ranks"])
+def check_reports(out: Path, names: list, ranks: int, done) -> None:
+    for name in names:
+        reports = [json.loads((out / f"{name}-rank-{r}.json").read_text()) for r in range(ranks)]
+        errors = [r["error"] for r in reports if "error" in r]
+        assert not errors, f"{name}: {errors[0]}" + done.stderr[-2000:]
+        first = reports[0]
+        for report in reports:
+            forward = report["forward"]
+            assert forward["logits"] <= forward["logits_bound"], (name, forward)
+            assert forward["taps"] <= forward["taps_bound"], (name, forward)
+            for kind in ("greedy", "greedy_width_3", "sampled_width_3", "batched"):
+                assert report[kind] == report[f"{kind}_whole"], f"{name}, rank {report['rank']}: {kind}"
+            for kind in ("greedy", "greedy_width_3", "sampled_width_3", "sampled", "batched"):
+                assert report[kind] == first[kind], f"{name}, rank {report['rank']}: {kind}"  # the same on every rank
+        whole = sum(r["target_bytes"] for r in first["ranks"])
+        shares = [r["target_bytes"] / whole for r in first["ranks"]]
+        assert max(shares) < 1.35 / ranks, (name, shares)  # each rank holds about 1/N of the target
+
+
+@pytest.mark.parametrize("mode, ranks, names", [
+    ("tensor", 2, ["qwen3", "llama-untied"]),
+    ("tensor", 3, ["qwen3"]),
+    ("pipeline", 2, ["qwen3-4-heads", "gemma4", "deepseek_v4", "lfm2", "qwen3_5", "nemotron_h"]),
+    ("pipeline", 3, ["qwen3-4-heads"]),
+])
+def test_a_split_target_decodes_as_one_process(mode, ranks, names, tmp_path):
+    cases = [write_case(tmp_path / name, name) for name in names]
+    done = launch(ranks, HERE / "distributed_worker.py", tmp_path, mode, *cases)
+    check_reports(tmp_path, names, ranks, done)
 
 
 @pytest.mark.parametrize("heads, ranks", [(6, 4), (9, 2)])

@@ -4,6 +4,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import mlx.core as mx
+import numpy as np
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,6 +46,59 @@ class TargetAdapter:
     prompt_forward: Callable | None = None
     shard_tensor: Callable | None = None
     tensor_splits: Callable | None = None
+
+
+def pipeline_stages(count: int, size: int) -> list[range]:
+    """The layers each of ``size`` ranks runs under a pipeline split: contiguous, as even as they go."""
+    if count < size:
+        raise ValueError(f"{size} ranks for {count} layers: a pipeline needs at least one layer a rank")
+    bounds = [round(rank * count / size) for rank in range(size + 1)]
+    return [range(bounds[rank], bounds[rank + 1]) for rank in range(size)]
+
+
+def decoder_layers(h, layers: list, states: list, step: Callable, taps: tuple, tap: Callable = lambda h: h):
+    """``h`` through every decoder layer: ``step(index, layer, state, h) -> (h, state)``.
+    Returns ``(h, features [B, L, len(taps) * F], states)``; a tap is ``tap(h)``
+    after its layer.
+
+    Under a pipeline split a rank's tree holds ``{}`` for the layers other
+    ranks run (``distributed.pipeline_share``): this rank runs its own, and at
+    each boundary between stages every rank takes the finished stage's
+    output; at the end the last layer's output and every tap come from their
+    owners, so every rank returns the same values. Each hand-over is an
+    ``all_sum`` (the owner's value, zeros elsewhere) computed after the
+    rank's own ``h``: one chain of collectives, in the same order on every
+    rank whatever layers it skips."""
+    pipelined = not all(layers)
+    if pipelined:
+        owner = [rank for rank, stage in enumerate(pipeline_stages(len(layers), mx.distributed.init().size()))
+                 for _ in stage]
+    tapped, new_states = {}, []
+    for index, (layer, state) in enumerate(zip(layers, states)):
+        if pipelined and index and owner[index] != owner[index - 1]:
+            h = _from_owner(h, bool(layers[index - 1]))
+        if layer:
+            h, state = step(index, layer, state, h)
+            if index in taps:
+                tapped[index] = tap(h)
+        new_states.append(state)
+    if not pipelined:
+        return h, concat_taps(tapped, taps), new_states
+    outputs = [h] + [tapped.get(index, tap(h)) for index in taps]
+    owned = [bool(layers[-1])] + [index in tapped for index in taps]
+    flat = mx.concatenate([o.reshape(*o.shape[:2], -1) for o in outputs], axis=-1)
+    mine = mx.concatenate([mx.full((o.reshape(*o.shape[:2], -1).shape[-1],), m, mx.bool_)
+                           for o, m in zip(outputs, owned)])
+    summed = mx.distributed.all_sum(mx.where(mine, flat, 0))
+    sizes = [o.reshape(*o.shape[:2], -1).shape[-1] for o in outputs]
+    parts = mx.split(summed, list(np.cumsum(sizes[:-1])), axis=-1)
+    h = parts[0].reshape(h.shape)
+    return h, (mx.concatenate(parts[1:], axis=-1) if taps else None), new_states
+
+
+def _from_owner(h, mine: bool):
+    """``h`` of the rank that owns it, on every rank (an all_sum of it and zeros that follow each rank's own ``h``)."""
+    return mx.distributed.all_sum(h if mine else mx.depends(mx.zeros_like(h), h))
 
 
 def concat_taps(tapped: dict, taps: tuple):

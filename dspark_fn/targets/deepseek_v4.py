@@ -40,7 +40,7 @@ from ..layers.deepseek_v4 import (
     query_residual,
     rope_inv_freq,
 )
-from .base import TargetAdapter, concat_taps, output_head
+from .base import TargetAdapter, decoder_layers, output_head
 
 
 @dataclass(frozen=True)
@@ -197,14 +197,12 @@ def forward(spec: DeepseekV4Spec, params: dict, kv: list, tokens, start, taps: t
         return compressed_attention(spec, attn, state, ratio, start, positions, mask, prompt_first)
 
     streams = embedded_streams(geometry, model["embed_tokens"], tokens)
-    new_kv, tapped = [], {}
-    for index, (layer, state) in enumerate(zip(model["layers"], kv)):
+
+    def step(index, layer, state, streams):
         hashed = tokens if index < spec.num_hash_layers else None
-        streams, state = block(geometry, layer, streams, attention(index, layer["attn"], state), hashed)
-        new_kv.append(state)
-        if index in taps:
-            tapped[index] = tap(streams)
-    features = concat_taps(tapped, taps)
+        return block(geometry, layer, streams, attention(index, layer["attn"], state), hashed)
+
+    streams, features, new_kv = decoder_layers(streams, model["layers"], kv, step, taps, tap)
     hidden = ops.rms_norm(mhc.head(model["hc_head"], streams, geometry.hyper), model["norm"]["weight"], spec.block.eps)
     return hidden, features, new_kv
 

@@ -27,7 +27,7 @@ from ..layers.gemma4 import (
     reject_unsupported,
     scaled_embedding,
 )
-from .base import TargetAdapter, concat_taps, output_head
+from .base import TargetAdapter, decoder_layers, output_head
 
 @dataclass(frozen=True)
 class Gemma4Spec:
@@ -115,8 +115,9 @@ def forward(spec: Gemma4Spec, params: dict, kv: list, tokens, start, taps: tuple
     extra = [None] * spec.num_layers
     if spec.per_layer_input_size:
         extra = per_layer_inputs(spec, model, tokens, h)
-    kv, tapped = list(kv), {}
-    for index, layer in enumerate(model["layers"]):
+    kv = list(kv)  # buffers of the first num_kv_layers layers; the later ones read an earlier layer's
+
+    def step(index, layer, state, h):
         geometry, attn = spec.geometry[index], layer["self_attn"]
         x = ops.rms_norm(h, layer["input_layernorm"]["weight"], spec.eps)
         q = queries(geometry, attn, x, spec.num_heads, positions, spec.eps)
@@ -126,10 +127,9 @@ def forward(spec: Gemma4Spec, params: dict, kv: list, tokens, start, taps: tuple
             kv[index] = (write_rows(keys, k, start), write_rows(values, v, start))
         keys, values = kv[spec.kv_source[index]]
         attended = ops.attention(q, keys, values, masks[geometry.window], ATTENTION_SCALE)
-        h = finish_layer(layer, h, attended, spec.eps, spec.activation, extra[index])
-        if index in taps:
-            tapped[index] = h
-    features = concat_taps(tapped, taps)
+        return finish_layer(layer, h, attended, spec.eps, spec.activation, extra[index]), None
+
+    h, features, _ = decoder_layers(h, model["layers"], [None] * spec.num_layers, step, taps)
     return ops.rms_norm(h, model["norm"]["weight"], spec.eps), features, kv
 
 

@@ -20,7 +20,7 @@ import mlx.core as mx
 from .. import ops
 from ..cache import causal_mask, kv_buffers, positions_from
 from ..layers.lfm2 import AttentionGeometry, Routing, attention, dense_feed_forward, short_conv, sparse_moe
-from .base import TargetAdapter, concat_taps, output_head, stopping_at_prompt_end
+from .base import TargetAdapter, decoder_layers, output_head, stopping_at_prompt_end
 
 LAYER_TYPES = ("full_attention", "conv")
 REQUIRED_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "norm_eps", "conv_L_cache")
@@ -160,8 +160,8 @@ def forward(spec: Lfm2Spec, params: dict, kv: list, tokens, start, taps: tuple, 
     mask = causal_mask(positions, kv[spec.attention_layers[0]][0].shape[2])
     inv_freq = ops.rope_inv_freq(spec.geometry.head_dim, {"rope_theta": spec.rope_theta})
     h = ops.embed(model["embed_tokens"], tokens, spec.hidden_size)
-    new_kv, tapped = [], {}
-    for index, (layer, entry) in enumerate(zip(model["layers"], kv)):
+
+    def step(index, layer, entry, h):
         x = ops.rms_norm(h, layer["operator_norm"]["weight"], spec.eps)
         if index in spec.attention_layers:
             mixed, keys, values = attention(
@@ -172,11 +172,10 @@ def forward(spec: Lfm2Spec, params: dict, kv: list, tokens, start, taps: tuple, 
             mixed, window = short_conv(layer["conv"], x, entry["conv"], keep)
             entry = {"conv": window}
         h = h + mixed
-        h = h + feed_forward(spec, index, layer["feed_forward"], ops.rms_norm(h, layer["ffn_norm"]["weight"], spec.eps))
-        new_kv.append(entry)
-        if index in taps:
-            tapped[index] = h
-    features = concat_taps(tapped, taps)
+        ffn = feed_forward(spec, index, layer["feed_forward"], ops.rms_norm(h, layer["ffn_norm"]["weight"], spec.eps))
+        return h + ffn, entry
+
+    h, features, new_kv = decoder_layers(h, model["layers"], kv, step, taps)
     return ops.rms_norm(h, model["embedding_norm"]["weight"], spec.eps), features, new_kv
 
 

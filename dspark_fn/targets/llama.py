@@ -12,7 +12,7 @@ from .. import ops
 from ..cache import causal_mask, kv_buffers, positions_from, write_rows
 from ..layers.llama import AttentionFields, attention_fields
 from ..sharding import Ranks, input_columns, output_rows, vocabulary_rows
-from .base import TargetAdapter, concat_taps, output_head
+from .base import TargetAdapter, decoder_layers, output_head
 
 
 @dataclass(frozen=True)
@@ -67,19 +67,15 @@ def forward(spec: LlamaSpec, params: dict, kv: list, tokens, start, taps: tuple)
     mask = causal_mask(positions, kv[0][0].shape[2])
     inv_freq = ops.rope_inv_freq(spec.head_dim, dict(spec.rope))
     h = ops.embed(model["embed_tokens"], tokens, spec.hidden_size)
-    tapped, new_kv = {}, []
-    for index, (layer, (keys, values)) in enumerate(zip(model["layers"], kv)):
+
+    def step(index, layer, state, h):
         x = ops.rms_norm(h, layer["input_layernorm"]["weight"], spec.eps)
-        attn, keys, values = attention_block(
-            spec, layer["self_attn"], x, keys, values, start, positions, mask, inv_freq
-        )
+        attn, keys, values = attention_block(spec, layer["self_attn"], x, *state, start, positions, mask, inv_freq)
         h = h + attn
         x = ops.rms_norm(h, layer["post_attention_layernorm"]["weight"], spec.eps)
-        h = h + ops.glu_mlp(layer["mlp"], x, spec.activation)
-        new_kv.append((keys, values))
-        if index in taps:
-            tapped[index] = h
-    features = concat_taps(tapped, taps)
+        return h + ops.glu_mlp(layer["mlp"], x, spec.activation), (keys, values)
+
+    h, features, new_kv = decoder_layers(h, model["layers"], kv, step, taps)
     return ops.rms_norm(h, model["norm"]["weight"], spec.eps), features, new_kv
 
 

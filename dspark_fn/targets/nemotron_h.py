@@ -21,7 +21,7 @@ from .. import ops
 from ..cache import causal_mask, kv_buffers, positions_from, write_rows
 from ..layers import mamba2
 from ..moe import expert_matmul
-from .base import TargetAdapter, concat_taps, stopping_at_prompt_end
+from .base import TargetAdapter, decoder_layers, stopping_at_prompt_end
 
 BLOCKS = {"M": "Mamba-2", "*": "attention", "-": "MLP", "E": "MoE"}
 MOE_KEYS = ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size")
@@ -190,10 +190,9 @@ def forward(spec: NemotronHSpec, params: dict, kv: list, tokens, start, taps: tu
     backbone = params["backbone"]
     positions = positions_from(start, tokens.shape[1])
     h = ops.embed(backbone["embeddings"], tokens, spec.hidden_size)
-    tapped, new_kv = {}, []
-    for index, (block, layer, entry) in enumerate(zip(spec.pattern, backbone["layers"], kv)):
-        x = ops.rms_norm(h, layer["norm"]["weight"], spec.eps)
-        mixer = layer["mixer"]
+
+    def step(index, layer, entry, h):
+        block, x, mixer = spec.pattern[index], ops.rms_norm(h, layer["norm"]["weight"], spec.eps), layer["mixer"]
         if block == "M":
             out, entry = mamba2.mixer(spec.mamba, mixer, x, entry, keep)
         elif block == "*":
@@ -202,11 +201,9 @@ def forward(spec: NemotronHSpec, params: dict, kv: list, tokens, start, taps: tu
             out = relu2_mlp(mixer, x)
         else:
             out = moe(spec.router, mixer, x)
-        h = h + out
-        new_kv.append(entry)
-        if index in taps:
-            tapped[index] = h
-    features = concat_taps(tapped, taps)
+        return h + out, entry
+
+    h, features, new_kv = decoder_layers(h, backbone["layers"], kv, step, taps)
     return ops.rms_norm(h, backbone["norm_f"]["weight"], spec.eps), features, new_kv
 
 

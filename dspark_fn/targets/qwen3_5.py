@@ -33,7 +33,7 @@ from ..layers.gated_delta import (
     gated_delta_net,
 )
 from ..moe import routed_experts
-from .base import TargetAdapter, concat_taps, output_head, stopping_at_prompt_end
+from .base import TargetAdapter, decoder_layers, output_head, stopping_at_prompt_end
 
 # RoPE kinds of the attention layers' rotary part; a text-only mrope (every
 # section at the same position) is plain RoPE, as mlx-lm runs it.
@@ -205,8 +205,8 @@ def forward(spec: Qwen3_5Spec, params: dict, kv: list, tokens, start, taps: tupl
     capacity = kv[spec.linear.index(False)][0].shape[2]
     mask = causal_mask(positions, capacity)
     h = ops.embed(model["embed_tokens"], tokens, spec.hidden_size)
-    tapped, new_kv = {}, []
-    for index, (layer, entry) in enumerate(zip(model["layers"], kv)):
+
+    def step(index, layer, entry, h):
         x = ops.rms_norm(h, layer["input_layernorm"]["weight"], spec.eps)
         if spec.linear[index]:
             mixed, entry = gated_delta_net(spec.delta, layer["linear_attn"], x, entry, spec.eps, keep)
@@ -217,11 +217,9 @@ def forward(spec: Qwen3_5Spec, params: dict, kv: list, tokens, start, taps: tupl
             entry = (keys, values)
         h = h + mixed
         x = ops.rms_norm(h, layer["post_attention_layernorm"]["weight"], spec.eps)
-        h = h + (sparse_moe(spec, layer["mlp"], x) if spec.sparse[index] else ops.glu_mlp(layer["mlp"], x))
-        new_kv.append(entry)
-        if index in taps:
-            tapped[index] = h
-    features = concat_taps(tapped, taps)
+        return h + (sparse_moe(spec, layer["mlp"], x) if spec.sparse[index] else ops.glu_mlp(layer["mlp"], x)), entry
+
+    h, features, new_kv = decoder_layers(h, model["layers"], kv, step, taps)
     return ops.rms_norm(h, model["norm"]["weight"], spec.eps), features, new_kv
 
 
