@@ -1,5 +1,5 @@
 """Targets split over 2 and 3 local processes (``mlx.launch``, ring backend on
-127.0.0.1), tensor parallel (llama family) and pipeline (the llama family
+127.0.0.1), tensor parallel (llama family, gemma4) and pipeline (the llama family
 with heads that do not divide, gemma4, deepseek_v4 and the hybrids
 lfm2, qwen3_5, nemotron_h): logits and taps within the fp32 bound of the whole
 target, greedy (fixed and auto width), seeded sampling (fixed width) and
@@ -77,6 +77,17 @@ def gemma4(root: Path) -> None:
     shutil.copytree(PARITY / "gemma4_tiny" / "draft", root / "draft")
 
 
+def gemma4_dividing(root: Path) -> None:
+    """A Gemma 4 text target whose heads of both layer types divide by 2 (the published tiny one has one global key/value head)."""
+    from published import gemma4_text_config
+
+    config = dict(gemma4_text_config(), model_type="gemma4_text", num_global_key_value_heads=2, num_key_value_heads=2)
+    build_target(root / "target", config, seed=1)
+    draft = draft_config(target_config(vocab=config["vocab_size"], hidden=config["hidden_size"],
+                                       layers=config["num_hidden_layers"]), layers=1, taps=(1, 3), block_size=4)
+    build_draft(root / "draft", draft, seed=2)
+
+
 def deepseek_v4(root: Path) -> None:
     from test_deepseek_v4 import TEXT, write_pair
 
@@ -86,6 +97,7 @@ def deepseek_v4(root: Path) -> None:
 CASES = {  # name -> (writer, whether mlx-lm reads the target)
     "qwen3": (llama_family("qwen3"), True), "llama-untied": (llama_family("llama-untied"), True),
     "qwen3-4-heads": (llama_family("qwen3-4-heads"), True), "gemma4": (gemma4, True),
+    "gemma4-dividing": (gemma4_dividing, True),
     "deepseek_v4": (deepseek_v4, False), "lfm2": (hybrid("lfm2"), True), "qwen3_5": (hybrid("qwen3_5"), True),
     "nemotron_h": (hybrid("nemotron_h"), True),
 }
@@ -119,7 +131,7 @@ def check_reports(out: Path, names: list, ranks: int, done) -> None:
 
 
 @pytest.mark.parametrize("mode, ranks, names", [
-    ("tensor", 2, ["qwen3", "llama-untied"]),
+    ("tensor", 2, ["qwen3", "llama-untied", "gemma4-dividing"]),
     ("tensor", 3, ["qwen3"]),
     ("pipeline", 2, ["qwen3-4-heads", "gemma4", "deepseek_v4", "lfm2", "qwen3_5", "nemotron_h"]),
     ("pipeline", 3, ["qwen3-4-heads"]),

@@ -12,7 +12,7 @@ between late layers are supported; MoE blocks are not.
 Its layer math lives in ``layers/gemma4.py``, shared with the gemma4 DSpark draft.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 
@@ -20,6 +20,7 @@ from .. import ops
 from ..cache import causal_mask, kv_buffers, positions_from, write_rows
 from ..layers.gemma4 import (
     ATTENTION_SCALE,
+    AttentionGeometry,
     attention_geometry,
     finish_layer,
     keys_values,
@@ -27,6 +28,7 @@ from ..layers.gemma4 import (
     reject_unsupported,
     scaled_embedding,
 )
+from ..sharding import Ranks, input_columns, output_rows, vocabulary_rows
 from .base import TargetAdapter, decoder_layers, output_head
 
 @dataclass(frozen=True)
@@ -138,4 +140,42 @@ def logits(spec: Gemma4Spec, params: dict, hidden: mx.array) -> mx.array:
     return ops.softcap(ops.linear(output_head(params, spec.tied), hidden), spec.softcap)
 
 
-ADAPTER = TargetAdapter(spec_from_config=spec_from_config, init_kv=init_kv, forward=forward, logits=logits)
+def shard_tensor(spec: Gemma4Spec, params: dict, ranks: Ranks) -> tuple[Gemma4Spec, dict]:
+    """This rank's share (``sharding.py``): whole query and key/value heads of
+    each layer's geometry, its MLP columns, its stretch of the vocabulary in
+    both embeddings; the per-layer input projections stay whole (they are small)."""
+
+    def layer(p: dict, geometry: AttentionGeometry) -> dict:
+        attn, mlp = dict(p["self_attn"]), p["mlp"]
+        attn["q_proj"] = output_rows(attn["q_proj"], ranks, "query heads", geometry.head_dim)
+        for name in ("k_proj", "v_proj"):
+            if name in attn:
+                attn[name] = output_rows(attn[name], ranks, "key/value heads", geometry.head_dim)
+        attn["o_proj"] = input_columns(attn["o_proj"], ranks, "attention output columns")
+        mlp = dict(mlp, gate_proj=output_rows(mlp["gate_proj"], ranks, "MLP columns"),
+                   up_proj=output_rows(mlp["up_proj"], ranks, "MLP columns"),
+                   down_proj=input_columns(mlp["down_proj"], ranks, "MLP columns"))
+        return dict(p, self_attn=attn, mlp=mlp)
+
+    model = dict(params["model"])
+    model["layers"] = [layer(p, g) for p, g in zip(model["layers"], spec.geometry)]
+    for table in ("embed_tokens", "embed_tokens_per_layer"):
+        if table in model:
+            model[table] = vocabulary_rows(model[table], ranks)
+    sharded = dict(params, model=model)
+    if not spec.tied:
+        sharded["lm_head"] = vocabulary_rows(params["lm_head"], ranks)
+    geometry = tuple(replace(g, num_kv_heads=g.num_kv_heads // ranks.size) for g in spec.geometry)
+    return replace(spec, num_heads=spec.num_heads // ranks.size, geometry=geometry), sharded
+
+
+def tensor_splits(config: dict) -> dict:
+    """What ``shard_tensor`` divides by the number of ranks, read from the config alone."""
+    spec = spec_from_config(config)
+    return {"query heads": spec.num_heads, "MLP columns": config["intermediate_size"], "vocabulary rows": spec.vocab_size,
+            **{f"key/value heads of {'full' if g.window is None else 'sliding'} layers": g.num_kv_heads
+               for g in spec.geometry}}
+
+
+ADAPTER = TargetAdapter(spec_from_config=spec_from_config, init_kv=init_kv, forward=forward, logits=logits,
+                        shard_tensor=shard_tensor, tensor_splits=tensor_splits)
