@@ -27,9 +27,10 @@ from .rounds import (
 )
 from .sampling import GREEDY, Sampling, batch_sampling
 from .schedule import CostCurve, SlotRates, VerifyPolicy
-from .types import Copies, Event, Params, Proposal, Step
+from .types import Copies, Event, Params, Proposal, Step, TokenLogProbs, TokenScore
 
 PROPOSALS = ("auto", "draft", "copy")  # where a row's proposal comes from: chosen per row and round, or one source
+TOP_LOG_PROBS = 20  # the most likely tokens a round scores when a row asks for log-probabilities (OpenAI's limit)
 
 
 def _truncate(tokens: list, stop_tokens, budget: int) -> tuple[list, bool]:
@@ -58,6 +59,19 @@ def _gathered(array: mx.array, index: mx.array, batch: int) -> mx.array:
 
 def _sigmoid(logits: mx.array) -> np.ndarray:
     return 0.5 * (1 + np.tanh(0.5 * np.array(logits.astype(mx.float32))))  # without overflow
+
+
+def token_scores(scored: TokenLogProbs, rows: list, counts: list, tops: list) -> list:
+    """Per row of ``rows``: its first ``counts[i]`` scored tokens (a ``TokenScore``
+    each, with ``tops[i]`` most likely alternatives), or None where ``tops[i]`` is."""
+    values, ids, top_values = (np.array(a) for a in scored)
+    return [
+        None if top is None else [
+            TokenScore(float(value), list(zip(i[:top].tolist(), v[:top].tolist())))
+            for value, i, v in zip(values[row, :count], ids[row, :count], top_values[row, :count])
+        ]
+        for row, count, top in zip(rows, counts, tops)
+    ]
 
 
 def _copy_tokens(copies: list, slots: int) -> mx.array:
@@ -116,6 +130,7 @@ class Decoder:
         self.committed = np.zeros(batch, int)
         self.proposal = None
         self.indices: list = [None] * batch  # each row's CopyIndex (when copying)
+        self.scoring: list = [None] * batch  # each row's asked number of most likely tokens, or None
 
     @property
     def batch(self) -> int:
@@ -155,19 +170,28 @@ class Decoder:
         return self.tokens.tolist()
 
     def insert(self, rows: Sequence[int], prompts: list, *, sampling=GREEDY, seeds: Sequence[int] = (),
-               prefix: Cache | None = None) -> list[int]:
+               prefix: Cache | None = None, top_log_probs: int | None = None):
         """New sequences in the free rows ``rows`` between rounds (prefilled
-        together); returns their first tokens. ``prefix``: see ``insert``."""
+        together); returns their first tokens. ``prefix``: see ``insert``.
+        With ``top_log_probs`` (0..20) these rows' tokens are scored, this
+        round's and every later one's (``Step.log_probs``): it returns
+        ``(first tokens, a TokenScore each)``."""
         settings = [sampling] * len(rows) if isinstance(sampling, Sampling) else list(sampling)
-        self.cache, tokens = insert(
-            self.params, self.cache, rows, prompts, sampling=settings, seeds=seeds, prefix=prefix, grow=self.growing
+        self.cache, tokens, *scored = insert(
+            self.params, self.cache, rows, prompts, sampling=settings, seeds=seeds, prefix=prefix, grow=self.growing,
+            top_log_probs=None if top_log_probs is None else TOP_LOG_PROBS,
         )
         self.tokens[mx.array(list(rows))] = tokens
         for row, prompt, setting in zip(rows, prompts, settings):
             self.sampling[row], self.active[row], self.fresh[row] = setting, True, True
             self.committed[row] = len(prompt)
+            self.scoring[row] = top_log_probs
         self._index(rows, prompts, tokens.tolist())
-        return tokens.tolist()
+        if top_log_probs is None:
+            return tokens.tolist()
+        first = TokenLogProbs(*(a[:, None] for a in scored[0]))  # one position a row
+        scores = token_scores(first, list(range(len(rows))), [1] * len(rows), [top_log_probs] * len(rows))
+        return tokens.tolist(), [row[0] for row in scores]
 
     def reset_policy(self) -> None:
         """Forget the measured rates and the gate's state: a sequence that
@@ -181,6 +205,7 @@ class Decoder:
         self.active[row] = False
         self.committed[row] = 0
         self.indices[row] = None
+        self.scoring[row] = None
         self.cache = self.cache._replace(length=mx.where(mx.arange(self.batch) == row, 0, self.cache.length))
 
     def resize(self, batch: int) -> dict[int, int]:
@@ -209,6 +234,7 @@ class Decoder:
         self.fresh = np.concatenate([self.fresh[live], np.zeros(pad, bool)])
         self.committed = np.concatenate([self.committed[live], np.zeros(pad, int)])
         self.indices = [self.indices[r] for r in live] + [None] * pad
+        self.scoring = [self.scoring[r] for r in live] + [None] * pad
         self._check_lengths()
         return {int(old): new for new, old in enumerate(live)}
 
@@ -287,9 +313,10 @@ class Decoder:
         elif proposal is None:
             proposal = undrafted(self.params, self.batch, mode)
         copied = Copies(_copy_tokens(copies, width - 1), mx.array(copying)) if copying.any() else None
+        scoring = any(self.scoring[r] is not None for r in np.flatnonzero(active))
         self.cache, result = verify_unchecked(
             self.params, self.cache, self.tokens, proposal, width, rows, mode, mx.array(limits), mx.array(active),
-            copied,
+            copied, TOP_LOG_PROBS if scoring else None,
         )
         self.tokens = result.next_tokens
         self.proposal = self._next_proposal()
@@ -303,6 +330,7 @@ class Decoder:
         self._learn(live, committed, copies, accepted, limits, drafting, confidences)
         self.fresh[:] = False
         sources = ["" if not limits[r] else "copy" if copying[r] else "draft" for r in live]
+        scored = TokenLogProbs(result.log_probs, result.top_ids, result.top_log_probs)
         return Step(
             live,
             committed,
@@ -311,6 +339,7 @@ class Decoder:
             [scores[r][: limits[r]] for r in live],
             width,
             sources,
+            token_scores(scored, live, [counts[r] for r in live], [self.scoring[r] for r in live]) if scoring else None,
         )
 
     def _learn(self, live: list, committed: list, copies: list, accepted: list, limits, drafting, confidences):

@@ -25,9 +25,9 @@ from .accept import Accepted, accept
 from .cache import Cache, map_slots, settle
 from .drafts.heads import DRAFT_VOCAB_KEY, draft_chain
 from .noise import row_seeds, uniforms
-from .sampling import GREEDY, Mode, RowSampling, batch_sampling, choose, log_probs
+from .sampling import GREEDY, Mode, RowSampling, batch_sampling, choose, log_probs, token_log_probs
 from .targets import activation_dtype
-from .types import Copies, PairSpec, Params, Proposal, Round
+from .types import Copies, PairSpec, Params, Proposal, Round, TokenLogProbs
 
 PREFILL_CHUNK = 64  # the smallest chunk: a prompt pads to a multiple of it
 LONG_PREFILL_CHUNK = 256  # long stretches of a prompt go in these (bigger matmuls run faster)
@@ -129,7 +129,7 @@ def verify_and_commit(
     only the anchor and the accepted drafts, which is the whole rollback
     (recurrent layers settle on the state after those same tokens).
     ``limit [B]`` caps each row's accepted drafts; ``active [B]`` rows that
-    are False commit nothing.
+    are False commit nothing. Returns ``(cache, verdict, target logits [B, W, V])``.
     """
     spec = params.spec
     adapter = spec.target_adapter
@@ -152,7 +152,7 @@ def verify_and_commit(
         spec.draft, params.draft, cache.draft, features, cache.length
     )
     committed = verdict.accepted + 1 if active is None else mx.where(active, verdict.accepted + 1, 0)
-    return Cache(settle(target_kv, committed), draft_state, cache.length + committed, cache.seeds), verdict
+    return Cache(settle(target_kv, committed), draft_state, cache.length + committed, cache.seeds), verdict, logits
 
 
 @lru_cache(maxsize=None)
@@ -173,7 +173,7 @@ def point_mass(tokens: mx.array, vocab_size: int) -> mx.array:
 
 
 @lru_cache(maxsize=None)
-def _verify_kernel(spec: PairSpec, width: int, mode: Mode):
+def _verify_kernel(spec: PairSpec, width: int, mode: Mode, top_log_probs: int | None = None):
     def verify_(target, draft, cache, tokens, drafts, draft_log_probs, confidence_logits, copies, copying, rows,
                 limit, active):
         TRACE_COUNTS["verify"] += 1
@@ -183,9 +183,14 @@ def _verify_kernel(spec: PairSpec, width: int, mode: Mode):
             copied = point_mass(copies, spec.target.vocab_size)
             draft_log_probs = mx.where(copying[:, None, None], copied, draft_log_probs[:, : width - 1])
         before = Cache(*cache)
-        cache, verdict = verify_and_commit(
+        cache, verdict, logits = verify_and_commit(
             Params(spec, target, draft), before, block, draft_log_probs, RowSampling(*rows), mode, limit, active
         )
+        batch = tokens.shape[0]
+        if top_log_probs is None:
+            scored = (mx.zeros((batch, 0)), mx.zeros((batch, 0, 0), mx.int32), mx.zeros((batch, 0, 0)))
+        else:
+            scored = token_log_probs(logits, verdict.emitted, RowSampling(*rows), mode, top_log_probs)
         result = Round(
             emitted=verdict.emitted,
             count=cache.length - before.length,
@@ -193,6 +198,9 @@ def _verify_kernel(spec: PairSpec, width: int, mode: Mode):
             accepted=verdict.accepted,
             drafted=block[:, 1:],
             confidences=mx.where(copying[:, None], 1.0, mx.sigmoid(confidence_logits[:, : width - 1])),
+            log_probs=scored[0],
+            top_ids=scored[1],
+            top_log_probs=scored[2],
         )
         return tuple(cache), tuple(result)
 
@@ -237,11 +245,15 @@ def verify(
     limit: mx.array | None = None,
     active: mx.array | None = None,
     copies: Copies | None = None,
+    top_log_probs: int | None = None,
 ) -> tuple[Cache, Round]:
     """Verify ``width`` tokens (anchor + the first ``width - 1`` drafts of
     ``proposal``), accept at most ``limit[b]`` drafts per row, commit.
     ``copies`` (default none) gives rows their own proposals instead of
     the draft's, each a point mass (certain) under rejection sampling.
+    ``top_log_probs`` (K, default none) fills the round's ``log_probs`` and
+    its K most likely tokens at every emitted position (``sampling.token_log_probs``),
+    from the target logits the verify computed anyway.
 
     ``active`` (default all) marks the rows still generating; the others
     keep their state. Every row needs ``width`` free slots; a cache without
@@ -250,7 +262,7 @@ def verify(
     check_width(params.spec, width)
     check_free_slots(cache, width)
     rows, mode = batch_sampling(sampling, tokens.shape[0])
-    return verify_unchecked(params, cache, tokens, proposal, width, rows, mode, limit, active, copies)
+    return verify_unchecked(params, cache, tokens, proposal, width, rows, mode, limit, active, copies, top_log_probs)
 
 
 def check_free_slots(cache: Cache, width: int) -> None:
@@ -293,7 +305,7 @@ def check_rows(rows: Sequence[int], count: int, batch: int) -> None:
 
 
 def verify_unchecked(params, cache, tokens, proposal, width, rows: RowSampling, mode: Mode, limit=None, active=None,
-                     copies: Copies | None = None):
+                     copies: Copies | None = None, top_log_probs: int | None = None):
     """``verify`` without its checks, for the driver: it sizes its cache and
     checks each row's room (``check_writes``) from the lengths it tracks on
     the host, with no read from the device."""
@@ -305,7 +317,7 @@ def verify_unchecked(params, cache, tokens, proposal, width, rows: RowSampling, 
     # Greedy rules never read the draft's distribution: a fixed stand-in keeps
     # one kernel whatever proposed (the draft's logits, or no draft at all).
     log_probs = proposal.log_probs if mode.sampled else mx.zeros((0,))
-    kernel = _verify_kernel(params.spec, width, mode)
+    kernel = _verify_kernel(params.spec, width, mode, top_log_probs)
     cache, result = kernel(
         params.target, params.draft, tuple(cache), tokens, proposal.tokens.astype(mx.int32), log_probs,
         proposal.confidence_logits.astype(mx.float32), copies.tokens.astype(mx.int32), copies.rows, tuple(rows),
@@ -416,7 +428,7 @@ def chunk_spans(length: int, sizes: tuple) -> list[tuple[int, int]]:
 
 
 def prefill(params: Params, cache: Cache, prompt, *, sampling=GREEDY, chunk_size: int | None = None,
-            grow: bool = False):
+            grow: bool = False, top_log_probs: int | None = None):
     """Run the prompt(s) through the target in fixed chunks and extend the draft context.
 
     ``prompt`` is a token list, a list of token lists (one per batch row, any
@@ -431,7 +443,9 @@ def prefill(params: Params, cache: Cache, prompt, *, sampling=GREEDY, chunk_size
     ``capacity_for`` buckets as the chunks advance, so each chunk attends
     over the bucket its own end needs, not the whole prompt's (a long
     prompt compiles one chunk kernel per bucket it passes); without, the
-    prompt must fit the cache.
+    prompt must fit the cache. With ``top_log_probs`` (K) it returns
+    ``(cache, tokens, TokenLogProbs)``: the first tokens' log-probabilities
+    and the target's K most likely first tokens.
     """
     rows = as_rows(prompt)
     if len(rows) != cache.batch_size:
@@ -474,7 +488,10 @@ def prefill(params: Params, cache: Cache, prompt, *, sampling=GREEDY, chunk_size
     lengths = mx.array(starts + np.array([len(r) for r in rows]), mx.int32)
     sampled_rows, mode = batch_sampling(sampling, len(rows))
     draws = uniforms(cache.seeds, lengths, noise.PREFILL, (vocab,)) if mode.sampled else None
-    return state._replace(length=lengths, seeds=cache.seeds), choose(last_logits, sampled_rows, mode, draws)
+    state, tokens = state._replace(length=lengths, seeds=cache.seeds), choose(last_logits, sampled_rows, mode, draws)
+    if top_log_probs is None:
+        return state, tokens
+    return state, tokens, TokenLogProbs(*token_log_probs(last_logits, tokens, sampled_rows, mode, top_log_probs))
 
 
 def place_rows(cache: Cache, rows: Sequence[int], part: Cache) -> Cache:
@@ -490,7 +507,7 @@ def place_rows(cache: Cache, rows: Sequence[int], part: Cache) -> Cache:
 
 
 def insert(params: Params, cache: Cache, rows: Sequence[int], prompts, *, sampling=GREEDY, seeds: Sequence[int] = (),
-           prefix: Cache | None = None, grow: bool = False):
+           prefix: Cache | None = None, grow: bool = False, top_log_probs: int | None = None):
     """Prefill new prompts into rows ``rows`` of a running batch, together in
     one batch of their own; the other rows are untouched. Row ``rows[i]``
     draws with seed ``seeds[i]`` (default 0). ``prefix`` (a one-row cache
@@ -498,7 +515,8 @@ def insert(params: Params, cache: Cache, rows: Sequence[int], prompts, *, sampli
     cached conversation) is reused: only the rest runs. With ``grow`` the
     new rows prefill in a cache of their own size (see ``prefill``) and the
     batch grows if they need more room; without, they must fit the batch's
-    capacity. Returns ``(cache, first tokens)``."""
+    capacity. Returns ``(cache, first tokens)`` (and their ``TokenLogProbs``
+    with ``top_log_probs``, as ``prefill``)."""
     prompts = [list(p) for p in prompts]
     check_rows(list(rows), len(prompts), cache.batch_size)
     seeds = list(seeds) or [0] * len(rows)
@@ -507,9 +525,10 @@ def insert(params: Params, cache: Cache, rows: Sequence[int], prompts, *, sampli
         part = grow_cache(params, part, cache.capacity)
     part = part._replace(seeds=mx.concatenate([row_seeds(seed, 1) for seed in seeds]))
     starts = np.array(part.length)
-    part, tokens = prefill(params, part, [p[start:] for p, start in zip(prompts, starts)], sampling=sampling, grow=grow)
+    part, tokens, *scored = prefill(params, part, [p[start:] for p, start in zip(prompts, starts)], sampling=sampling,
+                                    grow=grow, top_log_probs=top_log_probs)
     capacity = max(cache.capacity, part.capacity)
-    return place_rows(grow_cache(params, cache, capacity), rows, grow_cache(params, part, capacity)), tokens
+    return (place_rows(grow_cache(params, cache, capacity), rows, grow_cache(params, part, capacity)), tokens, *scored)
 
 
 def capacity_for(slots: int) -> int:

@@ -119,6 +119,21 @@ def log_probs(logits: mx.array, rows: RowSampling, mode: Mode) -> mx.array:
     return scores - mx.logsumexp(scores, axis=-1, keepdims=True)
 
 
+def token_log_probs(logits: mx.array, tokens: mx.array, rows: RowSampling, mode: Mode, top: int):
+    """``(log_probs [B, ...], top_ids [B, ..., top], top_log_probs [B, ..., top])``:
+    each token's log-probability under the distribution its row chooses from
+    (``log_probs``: a drawing row's tempered, filtered one; a greedy row's
+    softmax of the logits), and that distribution's ``top`` most likely
+    tokens, most likely first. ``tokens`` of -1 (no token) get 0."""
+    scores = log_probs(logits, rows, mode)
+    chosen = mx.take_along_axis(scores, mx.maximum(tokens, 0)[..., None], axis=-1)[..., 0]
+    ids = mx.argpartition(-scores, kth=top - 1, axis=-1)[..., :top]
+    values = mx.take_along_axis(scores, ids, axis=-1)
+    order = mx.argsort(-values, axis=-1)
+    ids, values = mx.take_along_axis(ids, order, axis=-1), mx.take_along_axis(values, order, axis=-1)
+    return mx.where(tokens >= 0, chosen, 0.0), ids.astype(mx.int32), values
+
+
 def choose(logits: mx.array, rows: RowSampling, mode: Mode, uniforms: mx.array | None) -> mx.array:
     """One token per row of ``logits [B, ..., V]``: the argmax for greedy rows,
     a draw (Gumbel-max over ``uniforms`` of the same shape) for the others."""

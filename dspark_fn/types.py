@@ -65,6 +65,17 @@ class Round(NamedTuple):
     accepted: mx.array  # [B]
     drafted: mx.array  # [B, W - 1] the drafts that were verified
     confidences: mx.array  # [B, W - 1]
+    log_probs: mx.array  # [B, W] each emitted token's log-probability under the target ([B, 0] when not asked)
+    top_ids: mx.array  # [B, W, K] the target's K most likely tokens at each emitted position
+    top_log_probs: mx.array  # [B, W, K]
+
+
+class TokenLogProbs(NamedTuple):
+    """Log-probabilities of chosen tokens under the target, with its K most likely tokens."""
+
+    log_probs: mx.array  # [B, ...]
+    top_ids: mx.array  # [B, ..., K]
+    top_log_probs: mx.array  # [B, ..., K]
 
 
 class Event(NamedTuple):
@@ -90,4 +101,12 @@ class Step(NamedTuple):
     confidences: list
     width: int
     sources: list  # per row: "draft", "copy" or "" (see ``Event.source``)
+    log_probs: list | None = None  # per row: a TokenScore per emitted token, or None (not asked)
+
+
+class TokenScore(NamedTuple):
+    """One emitted token's log-probability under the target, and the target's most likely tokens there."""
+
+    log_prob: float
+    top: list  # [(token id, log-probability)], most likely first
 

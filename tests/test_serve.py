@@ -261,6 +261,8 @@ BAD = {
     "bad top_p": ({"messages": [{"role": "user", "content": "hi"}], "top_p": 0}, 400, "'top_p' must be > 0"),
     "image content": ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
                       400, "only text content"),
+    "unknown role": ({"messages": [{"role": "wizard", "content": "hi"}]}, 400,
+                     "unknown role 'wizard': a message's role is one of system, developer, user, assistant, tool"),
 }
 
 

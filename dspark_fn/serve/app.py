@@ -25,6 +25,7 @@ from fastapi import FastAPI, Request as HttpRequest
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..evaluate import stop_tokens as tokenizer_stop_tokens
+from ..driver import TOP_LOG_PROBS
 from ..sampling import Sampling
 from ..stats import combined
 from .engine import Engine, EngineFailure, Request
@@ -63,6 +64,7 @@ class Job:
     n: int
     stream: bool
     include_usage: bool
+    top_log_probs: int | None = None  # log-probabilities asked: with this many most likely tokens each
 
 
 def number(body: dict, name: str, default, kind=float, low=None, high=None, low_open=False):
@@ -79,9 +81,14 @@ def number(body: dict, name: str, default, kind=float, low=None, high=None, low_
     return value
 
 
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
 def message_text(message) -> str:
     if not isinstance(message, dict) or "role" not in message:
         raise ApiError("each message needs a 'role' and a 'content'", "messages")
+    if message["role"] not in ROLES:
+        raise ApiError(f"unknown role {message['role']!r}: a message's role is one of {', '.join(ROLES)}", "messages")
     content = message.get("content")
     if isinstance(content, str):
         return content
@@ -130,7 +137,20 @@ class Api:
             seed = number(body, "seed", None, int)
         options = body.get("stream_options") or {}
         return Job(kind, prompt, max_tokens, sampling, seed, tuple(stop), number(body, "n", 1, int, low=1, high=8),
-                   bool(body.get("stream", False)), bool(options.get("include_usage", False)))
+                   bool(body.get("stream", False)), bool(options.get("include_usage", False)),
+                   self.top_log_probs(body, kind))
+
+    def top_log_probs(self, body: dict, kind: str) -> int | None:
+        """Chat: ``logprobs`` (true/false) and ``top_logprobs`` (0-20); completions: ``logprobs`` (0-20)."""
+        if kind == "text":
+            return number(body, "logprobs", None, int, low=0, high=TOP_LOG_PROBS)
+        asked = body.get("logprobs")
+        if asked is not None and not isinstance(asked, bool):
+            raise ApiError(f"'logprobs' must be true or false, got {asked!r}", "logprobs")
+        top = number(body, "top_logprobs", None, int, low=0, high=TOP_LOG_PROBS)
+        if top is not None and not asked:
+            raise ApiError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        return (top or 0) if asked else None
 
     def chat_prompt(self, body: dict) -> list:
         messages = body.get("messages")
@@ -159,37 +179,41 @@ class Api:
     def submit(self, job: Job) -> list[Request]:
         seeds = [job.seed + i if job.seed is not None else secrets.randbits(31) for i in range(job.n)]
         return [
-            self.engine.submit(Request(job.prompt, job.max_tokens, job.sampling, seed, self.stop_ids))
+            self.engine.submit(Request(job.prompt, job.max_tokens, job.sampling, seed, self.stop_ids, job.top_log_probs))
             for seed in seeds
         ]
 
     async def pieces(self, job: Job, request: Request):
-        """``(text, finish_reason or None)`` as the request's tokens arrive;
-        stop strings end it (text cut before them), and a partial stop string
-        is held back until it is ruled out."""
-        detokenizer, sent = self.tokenizer.detokenizer, 0
+        """``(text, finish_reason or None, scores)`` as the request's tokens
+        arrive (``scores``: the log-probabilities of the tokens that arrived
+        since the last piece, stop tokens left out; [] when not asked);
+        stop strings end it (text cut before them), and a partial stop
+        string is held back until it is ruled out."""
+        detokenizer, sent, scored = self.tokenizer.detokenizer, 0, []
         hold = max((len(s) for s in job.stop), default=1) - 1
         while True:
-            kind, value = await asyncio.to_thread(request.events.get)
+            kind, value, *scores = await asyncio.to_thread(request.events.get)
             if kind == "error":
                 raise EngineFailure(f"the decoding engine failed: {value}")
             if kind == "done":
                 detokenizer.finalize()
-                yield detokenizer.text[sent:], {"cancelled": "stop"}.get(value, value)
+                yield detokenizer.text[sent:], {"cancelled": "stop"}.get(value, value), scored
                 return
-            for token in value:
+            for token, score in zip(value, scores[0] or [None] * len(value)):
                 if token not in self.stop_ids:
                     detokenizer.add_token(token)
+                    if score is not None:
+                        scored.append((token, score))
             text = detokenizer.text
             cut = min((i for i in (text.find(s, max(0, sent - hold)) for s in job.stop) if i >= 0), default=None)
             if cut is not None:
                 request.cancel()
-                yield text[sent:cut], "stop"
+                yield text[sent:cut], "stop", scored
                 return
             ready = max(sent, len(text) - hold)
             if ready > sent:
-                yield text[sent:ready], None
-                sent = ready
+                yield text[sent:ready], None, scored
+                sent, scored = ready, []
 
     def usage(self, job: Job, requests: list[Request]) -> dict:
         completion = sum(r.produced for r in requests)
@@ -214,11 +238,32 @@ class Api:
         return {"id": ident, "object": kind.get((job.kind, chunk), "text_completion"), "created": created,
                 "model": self.model_name}
 
-    def choice(self, job: Job, index: int, text: str, finish: str | None, chunk: bool) -> dict:
+    def choice(self, job: Job, index: int, text: str, finish: str | None, chunk: bool, scored: list) -> dict:
+        log_probs = self.log_probs(job, scored) if job.top_log_probs is not None else None
         if job.kind == "text":
-            return {"index": index, "text": text, "finish_reason": finish, "logprobs": None}
+            return {"index": index, "text": text, "finish_reason": finish, "logprobs": log_probs}
         body = {"role": "assistant", "content": text}
-        return {"index": index, ("delta" if chunk else "message"): body, "finish_reason": finish, "logprobs": None}
+        return {"index": index, ("delta" if chunk else "message"): body, "finish_reason": finish, "logprobs": log_probs}
+
+    def token_text(self, token: int) -> str:
+        return self.tokenizer.decode([token])
+
+    def log_probs(self, job: Job, scored: list) -> dict:
+        """OpenAI's ``logprobs`` object for ``scored`` ``[(token, TokenScore)]``:
+        chat's ``content`` list, or the completions' parallel lists."""
+        top = job.top_log_probs
+        if job.kind == "chat":
+            def entry(token: int, log_prob: float) -> dict:
+                text = self.token_text(token)
+                return {"token": text, "logprob": log_prob, "bytes": list(text.encode())}
+
+            return {"content": [entry(token, score.log_prob) | {"top_logprobs": [entry(t, v) for t, v in score.top[:top]]}
+                                for token, score in scored]}
+        texts = [self.token_text(token) for token, _ in scored]
+        offsets = [sum(len(t) for t in texts[:i]) for i in range(len(texts))]
+        return {"tokens": texts, "token_logprobs": [score.log_prob for _, score in scored],
+                "top_logprobs": [{self.token_text(t): v for t, v in score.top[:top]} for _, score in scored],
+                "text_offset": offsets}
 
     async def complete(self, job: Job) -> dict:
         requests = self.submit(job)
@@ -226,10 +271,10 @@ class Api:
         choices = []
         try:
             for index, request in enumerate(requests):
-                text, finish = "", None
-                async for piece, finish in self.pieces(job, request):
-                    text += piece
-                choices.append(self.choice(job, index, text, finish, chunk=False))
+                text, finish, scored = "", None, []
+                async for piece, finish, scores in self.pieces(job, request):
+                    text, scored = text + piece, scored + scores
+                choices.append(self.choice(job, index, text, finish, chunk=False, scored=scored))
         finally:  # a failed choice, or a client gone: the others free their rows too
             for request in requests:
                 request.cancel()
@@ -244,10 +289,10 @@ class Api:
 
         async def follow(index: int, request: Request):
             try:
-                async for piece, finish in self.pieces(job, request):
-                    await merged.put((index, piece, finish))
+                async for piece, finish, scores in self.pieces(job, request):
+                    await merged.put((index, piece, finish, scores))
             except Exception as error:  # reported in the stream, as an error chunk
-                await merged.put((index, error, "error"))
+                await merged.put((index, error, "error", []))
 
         tasks = [asyncio.create_task(follow(i, r)) for i, r in enumerate(requests)]
         try:
@@ -257,12 +302,12 @@ class Api:
                     yield sse(head | {"choices": [first]})
             finished = 0
             while finished < job.n:
-                index, piece, finish = await merged.get()
+                index, piece, finish, scores = await merged.get()
                 if finish == "error":
                     yield sse(server_error(piece).body)
                     return
                 finished += finish is not None
-                choice = self.choice(job, index, piece, finish, chunk=True)
+                choice = self.choice(job, index, piece, finish, chunk=True, scored=scores)
                 if job.kind == "chat" and finish is not None and not piece:
                     choice["delta"] = {}
                 yield sse(head | {"choices": [choice]})

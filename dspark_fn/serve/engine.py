@@ -53,15 +53,18 @@ from ..stats import Acceptance
 
 @dataclass
 class Request:
-    """One sequence to generate. The engine puts ``("tokens", [ids])`` for each
-    round, then ``("done", reason)`` (reason "stop", "length" or "cancelled")
-    or ``("error", message)`` on ``events``; ``cancel()`` frees its row."""
+    """One sequence to generate. The engine puts ``("tokens", [ids], scores)``
+    for each round (``scores``: a ``TokenScore`` per token with
+    ``top_log_probs`` set, else None), then ``("done", reason)`` (reason
+    "stop", "length" or "cancelled") or ``("error", message)`` on
+    ``events``; ``cancel()`` frees its row."""
 
     prompt: list
     max_tokens: int
     sampling: Sampling = GREEDY
     seed: int = 0
     stop_tokens: frozenset = frozenset()
+    top_log_probs: int | None = None  # score each token, with this many most likely alternatives
     events: queue.Queue = field(default_factory=queue.Queue)
     acceptance: Acceptance = field(default_factory=Acceptance)
     cached_tokens: int = 0  # prompt tokens reused from the prompt cache
@@ -82,12 +85,12 @@ class Request:
         sampling = self.sampling
         return {"prompt": self.prompt, "max_tokens": self.max_tokens, "seed": self.seed,
                 "sampling": [sampling.temperature, sampling.top_k, sampling.top_p],
-                "stop_tokens": sorted(self.stop_tokens)}
+                "stop_tokens": sorted(self.stop_tokens), "top_log_probs": self.top_log_probs}
 
     @classmethod
     def from_settings(cls, settings: dict) -> "Request":
         return cls(settings["prompt"], settings["max_tokens"], Sampling(*settings["sampling"]), settings["seed"],
-                   frozenset(settings["stop_tokens"]))
+                   frozenset(settings["stop_tokens"]), settings["top_log_probs"])
 
 
 class EngineFailure(RuntimeError):
@@ -351,10 +354,11 @@ class Engine:
             self.rows[row] = (request, list(request.prompt))  # in the batch from here: a failure ends it too
             prefix = self.prompt_cache.lookup(request.prompt)
             request.cached_tokens = int(prefix.length.item()) if prefix is not None else 0
-            [token] = self.decoder.insert([row], [request.prompt], sampling=request.sampling, seeds=[request.seed],
-                                          prefix=prefix)
+            first = self.decoder.insert([row], [request.prompt], sampling=request.sampling, seeds=[request.seed],
+                                        prefix=prefix, top_log_probs=request.top_log_probs)
+            (token,), scores = first if request.top_log_probs is not None else (first, None)
             self.rows[row][1].append(token)
-            self._deliver(row, [token])
+            self._deliver(row, [token], scores)
 
     def _round(self) -> None:
         before = (self.decoder.committed.copy(), recurrent_states(self.decoder.cache))
@@ -364,12 +368,14 @@ class Engine:
                 request, tokens = self.rows[row]
                 tokens += step.emitted[i]
                 request.acceptance.add(len(step.emitted[i]), step.accepted[i], len(step.drafted[i]), step.sources[i])
-                self._deliver(row, step.emitted[i], before)
+                scores = step.log_probs[i] if step.log_probs is not None else None
+                self._deliver(row, step.emitted[i], scores, before)
 
-    def _deliver(self, row: int, emitted: list, before: tuple | None = None) -> None:
-        """Hand a row's new tokens to its request, cut at a stop token or the
-        budget; free the row when the request is finished or cancelled.
-        ``before``: the committed counts and recurrent states before this round."""
+    def _deliver(self, row: int, emitted: list, scores: list | None, before: tuple | None = None) -> None:
+        """Hand a row's new tokens (and their scores) to its request, cut at a
+        stop token or the budget; free the row when the request is finished
+        or cancelled. ``before``: the committed counts and recurrent states
+        before this round."""
         request, tokens = self.rows[row]
         if request.dropped:
             return self._finish(row, "cancelled", before)
@@ -379,7 +385,7 @@ class Engine:
             kept = kept[: stop + 1]
         request.produced += len(kept)
         if kept:
-            request.events.put(("tokens", kept))
+            request.events.put(("tokens", kept, scores[: len(kept)] if scores is not None else None))
         if stop is not None:
             self._finish(row, "stop", before)
         elif request.produced >= request.max_tokens:
