@@ -32,6 +32,7 @@ import dspark_fn
 from dspark_fn.checkpoints import load_tokenizer
 from dspark_fn.evaluate import chat_tokens, stop_tokens
 from helpers import build_draft, build_target, mlx_lm_greedy
+from numerics import fp32_bound
 from hybrids import HYBRID_SHAPES, hybrid_draft_config
 from published import qwen3_pair, qwen_tokenizer
 
@@ -261,9 +262,76 @@ BAD = {
     "bad top_p": ({"messages": [{"role": "user", "content": "hi"}], "top_p": 0}, 400, "'top_p' must be > 0"),
     "image content": ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
                       400, "only text content"),
+    "top_logprobs without logprobs": ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400,
+                                      "'top_logprobs' needs 'logprobs': true"),
+    "too many top_logprobs": ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+                               "top_logprobs": 21}, 400, "'top_logprobs' must be <= 20"),
     "unknown role": ({"messages": [{"role": "wizard", "content": "hi"}]}, 400,
                      "unknown role 'wizard': a message's role is one of system, developer, user, assistant, tool"),
 }
+
+
+def log_softmax_reference(pair, prompt: list, tokens: list) -> np.ndarray:
+    """mlx-lm's (float32) log-softmax of the target's logits at each of ``tokens``."""
+    from mlx_lm.utils import load_model
+
+    model, _ = load_model(pair / "target")
+    model.set_dtype(mx.float32)
+    logits = model(mx.array([prompt + tokens]))[0, len(prompt) - 1 : -1].astype(mx.float32)
+    scores = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    return np.array(scores)
+
+
+def test_chat_log_probs_are_the_targets(client, library, pair):
+    """Each token's log-probability is mlx-lm's log-softmax of the target's
+    logits there; the top ones are its most likely, in order; a stream
+    carries the same, chunk by chunk."""
+    params, tokenizer = library
+    text = "tell me about the lazy dog"
+    prompt = chat_tokens(tokenizer, text)
+    tokens = reference_tokens(library, prompt, 16)
+    reply = chat(client, text, max_tokens=16, logprobs=True, top_logprobs=3)
+    content = reply.choices[0].logprobs.content
+    shown = [i for i, t in enumerate(tokens) if t not in set(stop_tokens(tokenizer))]
+    expected = log_softmax_reference(pair, prompt, tokens)
+    assert len(content) == len(shown)
+    bound = fp32_bound(expected, layers=8, reduction=320)
+    for entry, position in zip(content, shown):
+        assert abs(entry.logprob - expected[position, tokens[position]]) <= bound
+        values = [top.logprob for top in entry.top_logprobs]
+        assert len(values) == 3 and values == sorted(values, reverse=True)
+        assert abs(values[0] - expected[position].max()) <= bound
+    stream = chat(client, text, max_tokens=16, logprobs=True, top_logprobs=3, stream=True)
+    streamed = [e for chunk in stream if chunk.choices and chunk.choices[0].logprobs
+                for e in chunk.choices[0].logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in content]  # the second run reuses the cached prompt:
+    assert all(abs(a.logprob - b.logprob) <= bound for a, b in zip(streamed, content))  # sums in another order
+
+
+def test_completion_log_probs_in_the_legacy_layout(client, library, pair):
+    params, tokenizer = library
+    prompt = tokenizer.encode("the quick brown fox")
+    tokens = reference_tokens(library, prompt, 8)
+    reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, logprobs=2)
+    log_probs = reply.choices[0].logprobs
+    expected = log_softmax_reference(pair, prompt, tokens)
+    shown = [i for i, t in enumerate(tokens) if t not in set(stop_tokens(tokenizer))]
+    bound = fp32_bound(expected, layers=8, reduction=320)
+    assert len(log_probs.token_logprobs) == len(shown) == len(log_probs.top_logprobs)
+    assert all(abs(v - expected[p, tokens[p]]) <= bound for v, p in zip(log_probs.token_logprobs, shown))
+    assert all(len(top) <= 2 for top in log_probs.top_logprobs)
+    assert reply.choices[0].text == "".join(log_probs.tokens)
+
+
+def test_sampled_log_probs_follow_the_temperature(client):
+    """A drawing request is scored under its own (tempered) distribution: the same tokens' scores at a
+    higher temperature are flatter."""
+    cold = chat(client, "hello there", max_tokens=6, temperature=0.5, seed=3, logprobs=True, top_logprobs=2)
+    assert all(e.logprob <= 0 and len(e.top_logprobs) == 2 for e in cold.choices[0].logprobs.content)
+    spread = [e.top_logprobs[0].logprob - e.top_logprobs[1].logprob for e in cold.choices[0].logprobs.content]
+    hot = chat(client, "hello there", max_tokens=6, temperature=1.5, seed=3, logprobs=True, top_logprobs=2)
+    hot_spread = [e.top_logprobs[0].logprob - e.top_logprobs[1].logprob for e in hot.choices[0].logprobs.content]
+    assert np.mean(hot_spread) < np.mean(spread)
 
 
 @pytest.mark.parametrize("case", sorted(BAD))
