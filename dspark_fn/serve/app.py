@@ -29,26 +29,8 @@ from ..driver import TOP_LOG_PROBS
 from ..sampling import Sampling
 from ..stats import combined
 from .engine import Engine, EngineFailure, Request
-
-
-class ApiError(Exception):
-    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None,
-                 kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.message, self.param, self.status, self.code, self.kind = message, param, status, code, kind
-
-    @property
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body, status_code=self.status)
-
-
-def server_error(error: Exception) -> ApiError:
-    """A request that failed after it was accepted: a 500."""
-    code = "engine_failure" if isinstance(error, EngineFailure) else None
-    return ApiError(str(error), status=500, code=code, kind="server_error")
+from .errors import ApiError, server_error
+from .tools import CallReader, Tools, openai_call, template_turns
 
 
 @dataclass(frozen=True)
@@ -65,6 +47,7 @@ class Job:
     stream: bool
     include_usage: bool
     top_log_probs: int | None = None  # log-probabilities asked: with this many most likely tokens each
+    tools: Tools = Tools(())  # the function tools offered, after tool_choice
 
 
 def number(body: dict, name: str, default, kind=float, low=None, high=None, low_open=False):
@@ -92,6 +75,8 @@ def message_text(message) -> str:
     content = message.get("content")
     if isinstance(content, str):
         return content
+    if content is None and (message.get("tool_calls") or message["role"] == "assistant"):
+        return ""
     if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
         return "".join(part.get("text", "") for part in content)
     raise ApiError("only text content is supported (no images, audio or files)", "messages")
@@ -113,7 +98,8 @@ class Api:
         if model is not None and model != self.model_name:
             raise ApiError(f"model {model!r} is not served here; this server serves {self.model_name!r}",
                            "model", status=404, code="model_not_found")
-        prompt = self.chat_prompt(body) if kind == "chat" else self.text_prompt(body)
+        tools = Tools.from_body(body.get("tools"), body.get("tool_choice")) if kind == "chat" else Tools(())
+        prompt = self.chat_prompt(body, tools) if kind == "chat" else self.text_prompt(body)
         room = self.engine.max_context - len(prompt) - self.engine.decoder.policy.max_width
         if room < 1:
             raise ApiError(f"the prompt has {len(prompt)} tokens; the context holds {self.engine.max_context}",
@@ -138,7 +124,7 @@ class Api:
         options = body.get("stream_options") or {}
         return Job(kind, prompt, max_tokens, sampling, seed, tuple(stop), number(body, "n", 1, int, low=1, high=8),
                    bool(body.get("stream", False)), bool(options.get("include_usage", False)),
-                   self.top_log_probs(body, kind))
+                   self.top_log_probs(body, kind), tools)
 
     def top_log_probs(self, body: dict, kind: str) -> int | None:
         """Chat: ``logprobs`` (true/false) and ``top_logprobs`` (0-20); completions: ``logprobs`` (0-20)."""
@@ -152,14 +138,15 @@ class Api:
             raise ApiError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
         return (top or 0) if asked else None
 
-    def chat_prompt(self, body: dict) -> list:
+    def chat_prompt(self, body: dict, tools: Tools) -> list:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise ApiError("'messages' must be a non-empty list", "messages")
-        turns = [{"role": m["role"], "content": message_text(m)} for m in messages]
+        turns, template_options = template_turns(messages, message_text, self.tokenizer, tools)
         if not getattr(self.tokenizer, "chat_template", None):
             return self.tokenizer.encode("\n".join(t["content"] for t in turns))
-        return list(self.tokenizer.apply_chat_template(turns, add_generation_prompt=True, enable_thinking=False))
+        return list(self.tokenizer.apply_chat_template(turns, add_generation_prompt=True, enable_thinking=False,
+                                                       **template_options))
 
     def text_prompt(self, body: dict) -> list:
         prompt = body.get("prompt")
@@ -238,12 +225,25 @@ class Api:
         return {"id": ident, "object": kind.get((job.kind, chunk), "text_completion"), "created": created,
                 "model": self.model_name}
 
-    def choice(self, job: Job, index: int, text: str, finish: str | None, chunk: bool, scored: list) -> dict:
+    def choice(self, job: Job, index: int, text: str, finish: str | None, chunk: bool, scored: list,
+               calls: list = ()) -> dict:
         log_probs = self.log_probs(job, scored) if job.top_log_probs is not None else None
         if job.kind == "text":
             return {"index": index, "text": text, "finish_reason": finish, "logprobs": log_probs}
-        body = {"role": "assistant", "content": text}
+        body = {"role": "assistant", "content": text or (None if calls else text)}
+        if calls:
+            body["tool_calls"] = list(calls)
         return {"index": index, ("delta" if chunk else "message"): body, "finish_reason": finish, "logprobs": log_probs}
+
+    async def replies(self, job: Job, request: Request):
+        """``pieces`` with the tool calls read out: ``(content, finish, scores,
+        calls)``; a reply that made calls finishes with "tool_calls"."""
+        reader = CallReader(self.tokenizer, job.tools)
+        async for piece, finish, scores in self.pieces(job, request):
+            content, calls = reader.feed(piece, final=finish is not None)
+            if finish == "stop" and reader.calls:
+                finish = "tool_calls"
+            yield content, finish, scores, calls
 
     def token_text(self, token: int) -> str:
         return self.tokenizer.decode([token])
@@ -271,10 +271,11 @@ class Api:
         choices = []
         try:
             for index, request in enumerate(requests):
-                text, finish, scored = "", None, []
-                async for piece, finish, scores in self.pieces(job, request):
-                    text, scored = text + piece, scored + scores
-                choices.append(self.choice(job, index, text, finish, chunk=False, scored=scored))
+                text, finish, scored, calls = "", None, [], []
+                async for piece, finish, scores, made in self.replies(job, request):
+                    text, scored, calls = text + piece, scored + scores, calls + made
+                choice = self.choice(job, index, text, finish, False, scored, [openai_call(c) for c in calls])
+                choices.append(choice)
         finally:  # a failed choice, or a client gone: the others free their rows too
             for request in requests:
                 request.cancel()
@@ -288,11 +289,14 @@ class Api:
         merged: asyncio.Queue = asyncio.Queue()
 
         async def follow(index: int, request: Request):
+            made = 0  # calls streamed so far: each has its index
             try:
-                async for piece, finish, scores in self.pieces(job, request):
-                    await merged.put((index, piece, finish, scores))
+                async for piece, finish, scores, calls in self.replies(job, request):
+                    entries = [openai_call(call, made + i) for i, call in enumerate(calls)]
+                    made += len(calls)
+                    await merged.put((index, piece, finish, scores, entries))
             except Exception as error:  # reported in the stream, as an error chunk
-                await merged.put((index, error, "error", []))
+                await merged.put((index, error, "error", [], []))
 
         tasks = [asyncio.create_task(follow(i, r)) for i, r in enumerate(requests)]
         try:
@@ -302,13 +306,15 @@ class Api:
                     yield sse(head | {"choices": [first]})
             finished = 0
             while finished < job.n:
-                index, piece, finish, scores = await merged.get()
+                index, piece, finish, scores, calls = await merged.get()
                 if finish == "error":
                     yield sse(server_error(piece).body)
                     return
                 finished += finish is not None
-                choice = self.choice(job, index, piece, finish, chunk=True, scored=scores)
-                if job.kind == "chat" and finish is not None and not piece:
+                if not (piece or calls or scores or finish):
+                    continue
+                choice = self.choice(job, index, piece, finish, True, scores, calls)
+                if job.kind == "chat" and finish is not None and not piece and not calls:
                     choice["delta"] = {}
                 yield sse(head | {"choices": [choice]})
             usage, stats = self.usage(job, requests)
