@@ -271,6 +271,21 @@ BAD = {
 }
 
 
+def test_a_response_continued_by_id_reuses_the_cached_prompt(client, library):
+    """``client.responses.create`` on the real engine: the reply is the
+    library's, and its continuation by ``previous_response_id`` is served
+    from the prompt cache (``cached_tokens``)."""
+    text = "tell me about the lazy dog and the quick brown fox"
+    first = client.responses.create(model=MODEL, input=text, max_output_tokens=12, temperature=0)
+    assert first.output_text == reference_text(library, text, 12)
+    streamed = client.responses.create(model=MODEL, input=text, max_output_tokens=12, temperature=0, stream=True)
+    assert "".join(e.delta for e in streamed if e.type == "response.output_text.delta") == first.output_text
+    second = client.responses.create(model=MODEL, input="and the world?", previous_response_id=first.id,
+                                     max_output_tokens=8, temperature=0)
+    assert second.usage.input_tokens_details.cached_tokens > 0
+    assert second.usage.input_tokens > first.usage.input_tokens
+
+
 def log_softmax_reference(pair, prompt: list, tokens: list) -> np.ndarray:
     """mlx-lm's (float32) log-softmax of the target's logits at each of ``tokens``."""
     from mlx_lm.utils import load_model

@@ -65,6 +65,7 @@ class ScriptedEngine:
         tokens = self.replies.get_nowait()
         for start in range(0, len(tokens), 3):  # a few tokens a round, as decoding delivers them
             request.events.put(("tokens", tokens[start : start + 3], None))
+        request.produced = len(tokens)
         request.events.put(("done", "stop"))
         return request
 
@@ -169,3 +170,64 @@ def test_tool_choice_none_and_named(served):
     with pytest.raises(openai.BadRequestError, match="not among the tools"):
         ask(client, [{"role": "user", "content": "hi"}], tools=[WEATHER],
             tool_choice={"type": "function", "function": {"name": "launch"}})
+
+
+# ---- the Responses API (the same app and engine)
+
+
+def test_a_response_whole_and_its_continuation(served):
+    engine, client = served
+    engine.reply("Paris is the capital.")
+    first = client.responses.create(model="m", input="Capital of France?", instructions="Be brief.",
+                                    max_output_tokens=32)
+    assert first.output_text == "Paris is the capital." and first.status == "completed"
+    assert "Be brief." in engine.prompts[-1] and first.usage.output_tokens > 0
+    engine.reply("About two million.")
+    second = client.responses.create(model="m", input="Its population?", previous_response_id=first.id)
+    assert second.output_text == "About two million."
+    prompt = engine.prompts[-1]
+    assert all(part in prompt for part in ("Capital of France?", "Paris is the capital.", "Its population?"))
+    with pytest.raises(openai.NotFoundError, match="is not held by this server"):
+        client.responses.create(model="m", input="hi", previous_response_id="resp_gone")
+
+
+def test_a_response_calls_a_function_and_takes_its_output(served):
+    engine, client = served
+    engine.reply(CALL)
+    tool = {"type": "function", "name": "get_weather", "description": "the forecast for a city",
+            "parameters": WEATHER["function"]["parameters"]}
+    response = client.responses.create(model="m", input="Weather in Paris?", tools=[tool])
+    (call,) = [item for item in response.output if item.type == "function_call"]
+    assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris", "days": 2}
+    engine.reply("Sunny.")
+    after = client.responses.create(model="m", previous_response_id=response.id, tools=[tool],
+                                    input=[{"type": "function_call_output", "call_id": call.call_id,
+                                            "output": "sunny, 21 C"}])
+    assert after.output_text == "Sunny." and "sunny, 21 C" in engine.prompts[-1]
+
+
+def test_a_streamed_response_sends_the_typed_events(served):
+    engine, client = served
+    engine.reply("Looking. " + CALL)
+    events = list(client.responses.create(model="m", input="Weather?", stream=True,
+                                          tools=[{"type": "function", "name": "get_weather", "parameters": {}}]))
+    kinds = [event.type for event in events]
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "Looking. "
+    arguments = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    assert [json.loads(a) for a in arguments] == [{"city": "Paris", "days": 2}]
+    assert [e.sequence_number for e in events] == list(range(1, len(events) + 1))
+    final = events[-1].response
+    assert [item.type for item in final.output] == ["message", "function_call"]
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"input": []}, "'input' must be a string or a non-empty list"),
+    ({"input": [{"type": "image", "url": "x"}]}, "input items of type 'image' are not supported"),
+    ({"input": "hi", "tools": [{"type": "web_search"}]}, "other tool types are not supported"),
+    ({"input": "hi", "text": {"format": {"type": "json_schema"}}}, "only plain text output is supported"),
+])
+def test_bad_responses_get_openai_errors(served, body, message):
+    _, client = served
+    with pytest.raises(openai.BadRequestError, match=message):
+        client.responses.create(model="m", **body)

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP API (FastAPI): chat and text completions, models, health.
+"""The OpenAI-compatible HTTP API (FastAPI): chat and text completions, the Responses API, models, health.
 
 Requests are validated here and turned into engine ``Request``s; errors are
 OpenAI-style bodies (``{"error": {"message", "type", "param", "code"}}``)
@@ -30,6 +30,7 @@ from ..sampling import Sampling
 from ..stats import combined
 from .engine import Engine, EngineFailure, Request
 from .errors import ApiError, server_error
+from . import responses
 from .tools import CallReader, Tools, openai_call, template_turns
 
 
@@ -88,6 +89,7 @@ class Api:
     def __init__(self, engine: Engine, tokenizer, model_name: str):
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         self.stop_ids = frozenset(tokenizer_stop_tokens(tokenizer))
+        self.conversations = responses.Conversations()
 
     # ---- validation
 
@@ -327,8 +329,97 @@ class Api:
                 task.cancel()
 
 
+    # ---- the Responses API
+
+    def response_job(self, body) -> tuple[Job, list]:
+        chat, messages = responses.chat_request(body, self.conversations)
+        return self.job(chat, "chat"), messages
+
+    async def reply(self, job: Job, request: Request):
+        """The whole reply's ``(text, calls)`` as chat ``tool_calls`` entries, for the Responses API."""
+        text, calls = "", []
+        async for piece, _, _, made in self.replies(job, request):
+            text, calls = text + piece, calls + [openai_call(call) for call in made]
+        return text, calls
+
+    async def respond(self, job: Job, body: dict, messages: list) -> dict:
+        (request,) = self.submit(job)
+        ident = f"resp_{uuid.uuid4().hex}"
+        try:
+            text, calls = await self.reply(job, request)
+        finally:
+            request.cancel()
+        usage, _ = self.usage(job, [request])
+        self.conversations.keep(ident, messages + responses.reply_messages(text, calls))
+        output = responses.output_items(f"msg_{uuid.uuid4().hex}", text, calls)
+        return responses.response_object(ident, body, self.model_name, output, responses.responses_usage(usage),
+                                         "completed")
+
+    async def respond_streaming(self, job: Job, body: dict, messages: list):
+        (request,) = self.submit(job)
+        ident, message_id, event = f"resp_{uuid.uuid4().hex}", f"msg_{uuid.uuid4().hex}", responses.EventStream()
+        start = responses.response_object(ident, body, self.model_name, [], None, "in_progress")
+        text, calls = "", []
+        try:
+            yield event("response.created", response=start)
+            async for piece, _, _, made in self.replies(job, request):
+                if piece and not text:
+                    yield event("response.output_item.added", output_index=0,
+                                item=responses.message_item(message_id, "", "in_progress"))
+                    yield event("response.content_part.added", item_id=message_id, output_index=0, content_index=0,
+                                part={"type": "output_text", "text": "", "annotations": []})
+                if piece:
+                    text += piece
+                    yield event("response.output_text.delta", item_id=message_id, output_index=0, content_index=0,
+                                delta=piece)
+                calls += [openai_call(call) for call in made]
+            if text:
+                part = {"type": "output_text", "text": text, "annotations": []}
+                yield event("response.output_text.done", item_id=message_id, output_index=0, content_index=0,
+                            text=text)
+                yield event("response.content_part.done", item_id=message_id, output_index=0, content_index=0,
+                            part=part)
+                yield event("response.output_item.done", output_index=0, item=responses.message_item(message_id, text))
+            for index, call in enumerate(calls, start=1 if text else 0):
+                item = responses.call_item(call)
+                yield event("response.output_item.added", output_index=index,
+                            item=responses.call_item(call, "", "in_progress"))
+                yield event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                            delta=item["arguments"])
+                yield event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                            arguments=item["arguments"])
+                yield event("response.output_item.done", output_index=index, item=item)
+            usage, _ = self.usage(job, [request])
+            self.conversations.keep(ident, messages + responses.reply_messages(text, calls))
+            output = responses.output_items(message_id, text, calls)
+            yield event("response.completed", response=responses.response_object(
+                ident, body, self.model_name, output, responses.responses_usage(usage), "completed"))
+        finally:
+            request.cancel()
+
+
 def sse(payload: dict) -> str:
     return f"data: {json.dumps(payload)}\n\n"
+
+
+async def json_body(http: HttpRequest):
+    try:
+        return json.loads(await http.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ApiError(f"the request body is not valid JSON: {error}") from None
+
+
+def error_response(error: Exception) -> JSONResponse:
+    """The OpenAI-style response of a request that failed; anything unforeseen propagates (a 500)."""
+    if isinstance(error, ApiError):
+        return error.response()
+    if isinstance(error, EngineFailure):
+        return server_error(error).response()
+    if isinstance(error, ValueError):  # raised by the engine or sampling checks
+        return ApiError(str(error)).response()
+    if isinstance(error, RuntimeError):
+        return ApiError(str(error), status=503, kind="server_error").response()
+    raise error
 
 
 def create_app(engine: Engine, tokenizer, model_name: str) -> FastAPI:
@@ -337,22 +428,12 @@ def create_app(engine: Engine, tokenizer, model_name: str) -> FastAPI:
 
     async def handle(http: HttpRequest, kind: str):
         try:
-            try:
-                body = json.loads(await http.body())
-            except (json.JSONDecodeError, UnicodeDecodeError) as error:
-                raise ApiError(f"the request body is not valid JSON: {error}") from None
-            job = api.job(body, kind)
+            job = api.job(await json_body(http), kind)
             if job.stream:
                 return StreamingResponse(api.stream(job), media_type="text/event-stream")
             return JSONResponse(await api.complete(job))
-        except ApiError as error:
-            return error.response()
-        except EngineFailure as error:
-            return server_error(error).response()
-        except ValueError as error:  # raised by the engine or sampling checks
-            return ApiError(str(error)).response()
-        except RuntimeError as error:
-            return ApiError(str(error), status=503, kind="server_error").response()
+        except Exception as error:
+            return error_response(error)
 
     @app.post("/v1/chat/completions")
     async def chat(http: HttpRequest):
@@ -361,6 +442,17 @@ def create_app(engine: Engine, tokenizer, model_name: str) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(http: HttpRequest):
         return await handle(http, "text")
+
+    @app.post("/v1/responses")
+    async def create_response(http: HttpRequest):
+        try:
+            body = await json_body(http)
+            job, messages = api.response_job(body)
+            if job.stream:
+                return StreamingResponse(api.respond_streaming(job, body, messages), media_type="text/event-stream")
+            return JSONResponse(await api.respond(job, body, messages))
+        except Exception as error:
+            return error_response(error)
 
     @app.get("/v1/models")
     async def models():
