@@ -63,7 +63,7 @@ def pair(tmp_path_factory):
 
 
 @contextmanager
-def running_server(root, max_batch: int, verify: str | int = "auto", launcher: tuple = ()):
+def running_server(root, max_batch: int, verify: str | int = "auto", launcher: tuple = (), extra: tuple = ()):
     """``dspark serve`` of ``root/target`` + ``root/draft`` (started through
     ``launcher``, e.g. ``mlx.launch -n 2``): ``(base url, process, log)``;
     stopped on leaving, whatever happened (killed if SIGTERM does not end it)."""
@@ -74,7 +74,7 @@ def running_server(root, max_batch: int, verify: str | int = "auto", launcher: t
     process = subprocess.Popen(
         [*launcher, sys.executable, "-m", "dspark_fn.cli", "serve", "--model", str(root / "target"), "--draft", str(root / "draft"),
          "--port", str(port), "--max-batch", str(max_batch), "--max-context", "512", "--dtype", "float32",
-         "--verify", str(verify)],
+         "--verify", str(verify), *extra],
         stdout=log.open("w"), stderr=subprocess.STDOUT, env=dict(os.environ, DSPARK_FN_CACHE=str(root / "costs")),
     )
     try:
@@ -266,6 +266,8 @@ BAD = {
                                       "'top_logprobs' needs 'logprobs': true"),
     "too many top_logprobs": ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
                                "top_logprobs": 21}, 400, "'top_logprobs' must be <= 20"),
+    "json output": ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}, 400,
+                    "response_format 'json_object' is not supported"),
     "unknown role": ({"messages": [{"role": "wizard", "content": "hi"}]}, 400,
                      "unknown role 'wizard': a message's role is one of system, developer, user, assistant, tool"),
 }

@@ -116,6 +116,11 @@ class Api:
             number(body, "top_k", 0, int, low=0),
             number(body, "top_p", 1.0, low=0, high=1, low_open=True),
         )
+        form = body.get("response_format")
+        if form is not None and (not isinstance(form, dict) or form.get("type") != "text"):
+            kind_asked = form.get("type") if isinstance(form, dict) else form
+            raise ApiError(f"response_format {kind_asked!r} is not supported: this server constrains no output to a "
+                           f"grammar or schema; only {{'type': 'text'}} is", "response_format")
         stop = body.get("stop") or ()
         stop = (stop,) if isinstance(stop, str) else stop
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 4:

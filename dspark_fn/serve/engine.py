@@ -34,6 +34,7 @@ ones are refused, and the server is to exit.
 """
 
 import json
+import os
 import queue
 import threading
 import traceback
@@ -41,7 +42,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_map
 
 from ..cache import Cache, is_recurrent, map_slots
 from ..sampling import GREEDY, Sampling
@@ -98,14 +99,33 @@ class EngineFailure(RuntimeError):
     request is lost, the server goes on."""
 
 
+def resident_bytes() -> int:
+    """This process's resident memory now (Linux), or its peak where /proc is absent (macOS)."""
+    try:
+        pages = int(open("/proc/self/statm").read().split()[1])
+        return pages * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # bytes on macOS
+
+
+def memory_use() -> dict:
+    return {"resident_bytes": resident_bytes(), "mlx_active_bytes": mx.get_active_memory(),
+            "mlx_cache_bytes": mx.get_cache_memory(), "mlx_peak_bytes": mx.get_peak_memory()}
+
+
 def common_prefix(a: list, b: list) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def shrink(cache: Cache, capacity: int) -> Cache:
-    """A one-row cache cut to ``capacity`` slots (a stored prefix keeps only what it holds)."""
+    """A one-row cache cut to ``capacity`` slots, in buffers of its own: a
+    slice of the running batch's buffers would keep all of them alive (a
+    stored prefix keeps only what it holds)."""
     cut = lambda a: a[:, :, :capacity]  # noqa: E731
-    return Cache(map_slots(cut, cache.target), map_slots(cut, cache.draft), cache.length, cache.seeds)
+    cache = Cache(map_slots(cut, cache.target), map_slots(cut, cache.draft), cache.length, cache.seeds)
+    return tree_map(mx.contiguous, cache)
 
 
 def recurrent_states(cache: Cache) -> list:
@@ -246,7 +266,9 @@ class Engine:
             "batch": self.decoder.batch,
             "waiting": len(self.waiting) + len(self.arrived),
             "prompt_cache": {"entries": len(self.prompt_cache.entries), "bytes": self.prompt_cache.used,
+                             "budget_bytes": self.prompt_cache.budget,
                              "hits": self.prompt_cache.hits, "misses": self.prompt_cache.misses},
+            "memory": memory_use(),
         }
 
     # ---- the decoding thread
