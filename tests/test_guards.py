@@ -87,7 +87,7 @@ def replies(requests: list) -> list:
     for request in requests:
         tokens = []
         while True:
-            kind, value = request.events.get(timeout=120)
+            kind, value, _ = request.events.get(timeout=120)
             if kind == "error":
                 pytest.fail(value)
             if kind == "done":
@@ -103,7 +103,7 @@ def replies(requests: list) -> list:
 async def texts(api, job) -> list:
     """The text of each piece the server's stream hands out for ``job`` (one request)."""
     [request] = api.submit(job)
-    return [piece async for piece, _ in api.pieces(job, request)]
+    return [piece async for piece, _, _ in api.pieces(job, request)]
 
 
 async def streamed(api, job) -> tuple[str, str]:

@@ -229,7 +229,7 @@ def test_an_engine_that_cannot_start_again_stops_the_server(library, monkeypatch
         waiting = engine.submit(Request(PROMPT, NEW_TOKENS))
     finally:
         release.set()
-    kind, message = waiting.events.get(timeout=WAIT)
+    kind, message, _ = waiting.events.get(timeout=WAIT)
     assert kind == "error" and "starting again failed with RuntimeError: no decoder this time" in message
     thread.join(WAIT)
     assert exit_status == [1]

@@ -25,6 +25,7 @@ import pytest
 import uvicorn
 
 from dspark_fn.serve.app import create_app
+from dspark_fn.serve.engine import Update
 from published import write_tokenizer
 
 openai = pytest.importorskip("openai")
@@ -64,9 +65,9 @@ class ScriptedEngine:
         self.prompts.append(self.tokenizer.decode(request.prompt))
         tokens = self.replies.get_nowait()
         for start in range(0, len(tokens), 3):  # a few tokens a round, as decoding delivers them
-            request.events.put(("tokens", tokens[start : start + 3], None))
+            request.events.put(Update("tokens", tokens[start : start + 3]))
         request.produced = len(tokens)
-        request.events.put(("done", "stop"))
+        request.events.put(Update("done", "stop"))
         return request
 
     def stats(self) -> dict:

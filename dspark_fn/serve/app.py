@@ -186,14 +186,14 @@ class Api:
         detokenizer, sent, scored = self.tokenizer.detokenizer, 0, []
         hold = max((len(s) for s in job.stop), default=1) - 1
         while True:
-            kind, value, *scores = await asyncio.to_thread(request.events.get)
+            kind, value, scores = await asyncio.to_thread(request.events.get)
             if kind == "error":
                 raise EngineFailure(f"the decoding engine failed: {value}")
             if kind == "done":
                 detokenizer.finalize()
                 yield detokenizer.text[sent:], {"cancelled": "stop"}.get(value, value), scored
                 return
-            for token, score in zip(value, scores[0] or [None] * len(value)):
+            for token, score in zip(value, scores or [None] * len(value)):
                 if token not in self.stop_ids:
                     detokenizer.add_token(token)
                     if score is not None:

@@ -40,6 +40,7 @@ import threading
 import traceback
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map
@@ -52,13 +53,22 @@ from ..types import Params
 from ..stats import Acceptance
 
 
+class Update(NamedTuple):
+    """What a request hears from the engine: ``kind`` "tokens" (``value``: the
+    round's ids, ``scores``: a ``TokenScore`` per token when the request asked
+    for log-probabilities), "done" (``value``: "stop", "length" or
+    "cancelled") or "error" (``value``: the failure)."""
+
+    kind: str
+    value: object
+    scores: list | None = None
+
+
 @dataclass
 class Request:
-    """One sequence to generate. The engine puts ``("tokens", [ids], scores)``
-    for each round (``scores``: a ``TokenScore`` per token with
-    ``top_log_probs`` set, else None), then ``("done", reason)`` (reason
-    "stop", "length" or "cancelled") or ``("error", message)`` on
-    ``events``; ``cancel()`` frees its row."""
+    """One sequence to generate. The engine puts an ``Update`` with the
+    tokens of each round on ``events``, then one that ends it ("done" or
+    "error"); ``cancel()`` frees its row."""
 
     prompt: list
     max_tokens: int
@@ -293,7 +303,7 @@ class Engine:
                 self.waiting.clear()
                 self.arrived.clear()
             for request in ended:
-                request.events.put(("error", self.failure) if self.dead else ("done", "cancelled"))
+                request.events.put(Update("error", self.failure) if self.dead else Update("done", "cancelled"))
 
     def _start_decoder(self, options: dict) -> None:
         """A decoder with an empty batch (and an empty prompt cache: after a
@@ -321,7 +331,7 @@ class Engine:
             self.failure = f"{type(error).__name__}: {error}"
             traceback.print_exc()  # for the operator: code and messages, never a prompt
             for request, _ in self.rows.values():
-                request.events.put(("error", self.failure))
+                request.events.put(Update("error", self.failure))
             self.rows = {}
             return True
 
@@ -368,7 +378,7 @@ class Engine:
         while free and self.waiting:
             request = self.waiting.popleft()
             if request.dropped:
-                request.events.put(("done", "cancelled"))
+                request.events.put(Update("done", "cancelled"))
                 continue
             row = free.pop(0)
             if not self.rows:  # alone in the batch: start from a fresh policy, so runs repeat
@@ -407,7 +417,7 @@ class Engine:
             kept = kept[: stop + 1]
         request.produced += len(kept)
         if kept:
-            request.events.put(("tokens", kept, scores[: len(kept)] if scores is not None else None))
+            request.events.put(Update("tokens", kept, scores[: len(kept)] if scores is not None else None))
         if stop is not None:
             self._finish(row, "stop", before)
         elif request.produced >= request.max_tokens:
@@ -423,4 +433,4 @@ class Engine:
         self.prompt_cache.store(tokens[:committed], cache)
         self.decoder.release(row)
         del self.rows[row]
-        request.events.put(("done", reason))
+        request.events.put(Update("done", reason))
