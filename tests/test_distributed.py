@@ -147,3 +147,27 @@ def test_splits_that_cannot_work_are_refused_from_the_config(heads, ranks):
     config = target_config("qwen3", vocab=264, hidden=144, heads=heads, kv_heads=3, head_dim=16)
     with pytest.raises(ValueError, match=f"do not split over {ranks} ranks: use --pipeline"):
         check_split(config, ranks)
+
+
+def test_a_pipeline_needs_a_layer_a_rank():
+    config = target_config("qwen3", vocab=264, hidden=64, layers=4, heads=4, kv_heads=2, head_dim=16)
+    check_split(config, 4, pipeline=True)
+    with pytest.raises(ValueError, match="5 ranks for 4 layers: a pipeline needs at least one layer a rank"):
+        check_split(config, 5, pipeline=True)
+
+
+def test_a_pipeline_keeps_layers_that_share_keys_together():
+    """Gemma 4 layers that read an earlier layer's keys must run on its rank:
+    a split between them is refused by name, one that keeps them is not."""
+    from dataclasses import replace
+
+    import dspark_fn
+    from dspark_fn.distributed import pipeline_share
+    from dspark_fn.sharding import Ranks
+
+    params = dspark_fn.load(PARITY / "gemma4_tiny" / "target", PARITY / "gemma4_tiny" / "draft")
+    sharing = replace(params.spec.target, kv_source=(0, 1, 2, 3, 4, 4))  # layer 5 reads layer 4's keys
+    for ranks in (2, 3):  # stages ending 3/6 and 2/4/6 keep layers 4 and 5 together
+        assert all(pipeline_share(sharing, params.target, Ranks(rank, ranks)) for rank in range(ranks))
+    with pytest.raises(ValueError, match="layer 5 reads the keys of layer 4, which another rank runs"):
+        pipeline_share(sharing, params.target, Ranks(3, 5))  # stages 0, 1, 2-3, 4, 5
