@@ -39,7 +39,7 @@ from dspark_fn.distill.config import draft_config_for, initial_draft
 from dspark_fn.drafts import resolve_arch
 from dspark_fn.drafts.heads import slot_heads
 from dspark_fn.drafts.vocab import frequent_tokens
-from dspark_fn.models import load_target_named
+from dspark_fn.catalog import load_target_named
 from dspark_fn.targets import resolve_target
 from dspark_fn.types import PairSpec, Params
 
@@ -79,8 +79,8 @@ def target():
 
 
 def answers_section(config, adapter, spec, params) -> None:
-    from dspark_fn.evaluate import stop_tokens
-    from dspark_fn.models import load_target_named as load
+    from dspark_fn.chat import stop_tokens
+    from dspark_fn.catalog import load_target_named as load
 
     _, _, tokenizer = load(None)
     draft_config = draft_config_for(config, 1)

@@ -28,7 +28,7 @@ import mlx.core as mx
 import dspark_fn
 from dspark_fn import rounds
 from dspark_fn.distributed import load_sharded, rank_report, world
-from dspark_fn.models import load_named
+from dspark_fn.catalog import load_named
 from dspark_fn.sharding import resident_bytes
 
 TOKENS = int(os.environ.get("TOKENS", "48"))
@@ -65,7 +65,7 @@ def verify_traffic(params, traffic: Counter) -> dict:
 
 
 def main() -> None:
-    from dspark_fn.evaluate import chat_tokens, stop_tokens
+    from dspark_fn.chat import chat_tokens, stop_tokens
 
     group = world()
     size, pipeline = group.size(), "--pipeline" in sys.argv

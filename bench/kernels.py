@@ -21,8 +21,8 @@ from dspark_fn.rounds import capacity_for, no_proposal
 from dspark_fn.checkpoints import mlx_lm_model
 from dspark_fn.targets import target_module
 from dspark_fn.drafts.heads import DRAFT_VOCAB_KEY
-from dspark_fn.models import load_named
-from dspark_fn.schedule import fastest_seconds
+from dspark_fn.catalog import load_named
+from dspark_fn.costs import fastest_seconds
 
 CONTEXTS = [int(c) for c in os.environ.get("CONTEXTS", "256,1024,4096").split(",")]
 

@@ -32,10 +32,11 @@ import mlx.core as mx
 from dspark_fn import init_cache, prefill, propose, verify, verify_block
 from dspark_fn.benchmark import baseline_tokens, timed
 from dspark_fn.checkpoints import mlx_lm_model
-from dspark_fn.evaluate import chat_tokens, first_turns
-from dspark_fn.models import load_named
+from dspark_fn.chat import chat_tokens
+from dspark_fn.evaluate import first_turns
+from dspark_fn.catalog import load_named
 from dspark_fn.rounds import capacity_for, no_proposal, prefill_slots
-from dspark_fn.schedule import fastest_seconds
+from dspark_fn.costs import fastest_seconds
 from report import machine
 
 TAUS = [int(t) for t in os.environ.get("TAUS", "2,3,4,5,6").split(",")]

@@ -27,11 +27,12 @@ from workloads import dspark_generate, eager, fixture_pair, median_seconds, mlx_
 from dspark_fn import Sampling
 from dspark_fn.benchmark import run_bench
 from dspark_fn.checkpoints import mlx_lm_model
-from dspark_fn.evaluate import chat_tokens, first_turns, stop_tokens
-from dspark_fn.models import load_named
+from dspark_fn.chat import chat_tokens, stop_tokens
+from dspark_fn.evaluate import first_turns
+from dspark_fn.catalog import load_named
 from dspark_fn.quantize import quantize_draft
 from dspark_fn import generate
-from dspark_fn.stats import Acceptance
+from dspark_fn.stats import Tally
 
 N = int(os.environ.get("N", 50))
 TOKENS = int(os.environ.get("TOKENS", 128))
@@ -62,10 +63,10 @@ def core() -> None:
         print(f"| {name} | {seconds * 1e3:.1f} | {n / seconds:.0f} |")
 
 
-def dataset_tau(params, tokenizer, dataset: str, sampling: Sampling) -> Acceptance:
+def dataset_tau(params, tokenizer, dataset: str, sampling: Sampling) -> Tally:
     """Tau over ``N`` prompts, run in batches (each row's rounds are its own)."""
     prompts = [chat_tokens(tokenizer, text) for text in first_turns(dataset, N)]
-    acceptance = Acceptance()
+    acceptance = Tally()
     for begin in range(0, len(prompts), BATCH):
         batch = prompts[begin : begin + BATCH]
         for event in generate(params, batch, TOKENS, stop_tokens=stop_tokens(tokenizer), sampling=sampling, seed=begin):
@@ -134,7 +135,7 @@ def context() -> None:
 def precision() -> None:
     """Target precision x draft precision on the embedded default: speedup over
     mlx-lm greedy on the same (quantized) target, tau and memory."""
-    import dspark_fn.models as models
+    import dspark_fn.catalog as catalog
     from dspark_fn.quantize import quantize_draft
     from mlx.utils import tree_flatten
 
@@ -143,7 +144,7 @@ def precision() -> None:
     print("| target | draft | mlx-lm greedy tokens/s | dspark_fn tokens/s | speedup | tau | memory (MB) | identical |")
     print("|---|---|---|---|---|---|---|---|")
     for target_bits in (None, 8, 4):
-        params, tokenizer, config = models.load_named(quant_target=target_bits)
+        params, tokenizer, config = catalog.load_named(quant_target=target_bits)
         model = mlx_lm_model(config, params.target)
         prompts = [chat_tokens(tokenizer, text) for text in first_turns("gsm8k", SPEED_N)]
         for draft_bits in (None, 8, 4):

@@ -24,7 +24,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from dspark_fn.evaluate import first_turns
-from dspark_fn.models import DEFAULT_DRAFT, load_target_named
+from dspark_fn.catalog import DEFAULT_DRAFT, load_target_named
 
 REQUESTS = int(os.environ.get("REQUESTS", 4))
 TOKENS = int(os.environ.get("TOKENS", 96))

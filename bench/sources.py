@@ -21,8 +21,9 @@ import os
 
 from dspark_fn import generate
 from dspark_fn.copying import CopyIndex
-from dspark_fn.evaluate import chat_tokens, first_turns, stop_tokens
-from dspark_fn.models import load_named
+from dspark_fn.chat import chat_tokens, stop_tokens
+from dspark_fn.evaluate import first_turns
+from dspark_fn.catalog import load_named
 from report import machine
 
 N = int(os.environ.get("N", 4))

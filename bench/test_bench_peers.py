@@ -68,7 +68,7 @@ def smollm2_case(tmp) -> Pair:
     """SmolLM2-135M (llama) from its GGUF, written as an HF directory every engine loads;
     the draft is the shipped default when present, else a random one-layer draft."""
     from dspark_fn.gguf import find_smollm2_gguf, load_gguf_llama
-    from dspark_fn.models import DEFAULT_DRAFT
+    from dspark_fn.catalog import DEFAULT_DRAFT
 
     config, weights, tokenizer = load_gguf_llama(find_smollm2_gguf())
     (tmp / "target").mkdir()

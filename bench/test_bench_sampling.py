@@ -17,7 +17,7 @@ import pytest
 
 import dspark_fn
 from dspark_fn import Sampling
-from dspark_fn.stats import Acceptance
+from dspark_fn.stats import Tally
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from helpers import build_bigram_draft, build_target, damp_attention, random_prompt, target_config  # noqa: E402
@@ -43,7 +43,7 @@ def prompts_for(batch: int) -> list[list[int]]:
 
 def dspark_rows(params, prompts, acceptance=None, **options):
     """Every row's tokens and the acceptance over all rounds of one batched run."""
-    rows, acceptance = [[] for _ in prompts], acceptance or Acceptance()
+    rows, acceptance = [[] for _ in prompts], acceptance or Tally()
     for event in dspark_fn.generate(params, prompts, NEW_TOKENS, **options):
         rows[event.row] += event.emitted
         if event.kind == "round":
@@ -52,7 +52,7 @@ def dspark_rows(params, prompts, acceptance=None, **options):
 
 
 def dspark_sequential(params, prompts, **options):
-    acceptance = Acceptance()
+    acceptance = Tally()
     return [dspark_rows(params, [prompt], acceptance, **options)[0][0] for prompt in prompts], acceptance
 
 

@@ -6,9 +6,10 @@ dspark_fn at fixed widths and ``auto``, same prompts, one process.
 
 from dspark_fn.benchmark import baseline_tokens, dspark_tokens, timed
 from dspark_fn.checkpoints import mlx_lm_model
-from dspark_fn.evaluate import chat_tokens, first_turns, stop_tokens
-from dspark_fn.models import load_named
-from dspark_fn.stats import Acceptance
+from dspark_fn.chat import chat_tokens, stop_tokens
+from dspark_fn.evaluate import first_turns
+from dspark_fn.catalog import load_named
+from dspark_fn.stats import Tally
 
 PROMPTS, TOKENS, PASSES = 4, 96, 2
 WIDTHS = {"width 1": 1, "width 3": 3, "width 4": 4, "width 6 (whole block)": 6, "auto": "auto"}
@@ -33,7 +34,7 @@ def main() -> None:
             count, seconds = count + len(tokens), seconds + spent
         rows["mlx-lm greedy"].append(count / seconds)
         for name, width in WIDTHS.items():
-            count, seconds, acceptance = 0, 0.0, Acceptance()
+            count, seconds, acceptance = 0, 0.0, Tally()
             for prompt in prompts:
                 tokens, spent = timed(dspark_tokens, params, prompt, TOKENS, stop, acceptance, width=width)
                 count, seconds = count + len(tokens), seconds + spent

@@ -10,13 +10,13 @@ from typing import NamedTuple
 
 import mlx.core as mx
 
-from .noise import gumbel_argmax
+from .rng import gumbel_argmax
 from .sampling import Mode, RowSampling, log_probs
 
 RESIDUAL_FLOOR = 1e-8  # below this residual mass, fall back to the target distribution
 
 
-class Accepted(NamedTuple):
+class Verdict(NamedTuple):
     accepted: mx.array  # [B] leading drafted tokens kept
     next_tokens: mx.array  # [B] the target's own token after them (next anchor)
     emitted: mx.array  # [B, W] kept drafts then next token, padded with -1
@@ -41,12 +41,12 @@ def _full_limit(block: mx.array, limit) -> mx.array:
     return mx.full((block.shape[0],), block.shape[1] - 1, mx.int32) if limit is None else limit
 
 
-def _accepted(block, accepted, next_tokens) -> Accepted:
+def _accepted(block, accepted, next_tokens) -> Verdict:
     next_tokens = next_tokens.astype(block.dtype)
-    return Accepted(accepted, next_tokens, emitted_tokens(block, accepted, next_tokens))
+    return Verdict(accepted, next_tokens, emitted_tokens(block, accepted, next_tokens))
 
 
-def accept_greedy(block: mx.array, target_logits: mx.array, limit=None) -> Accepted:
+def accept_greedy(block: mx.array, target_logits: mx.array, limit=None) -> Verdict:
     """Keep drafts while they equal the target's argmax; then emit the argmax.
 
     Output equals greedy decoding of the target alone.
@@ -81,7 +81,7 @@ def accept_sampled(
     accept_uniforms: mx.array,
     correction_uniforms: mx.array,
     limit=None,
-) -> Accepted:
+) -> Verdict:
     """Rejection sampling (Leviathan et al. / Chen et al.): the emitted tokens
     are distributed exactly as sampling the target alone under each row's settings.
 
@@ -110,7 +110,7 @@ def accept_sampled(
     return _accepted(block, accepted, next_tokens)
 
 
-def accept(block, target_logits, draft_log_probs, rows: RowSampling, mode: Mode, uniforms, limit=None) -> Accepted:
+def accept(block, target_logits, draft_log_probs, rows: RowSampling, mode: Mode, uniforms, limit=None) -> Verdict:
     """Each row's rule: greedy rows keep matching drafts, drawing rows reject
     by sampling. ``uniforms()`` -> ``(accept [B, W-1], correction [B, V])``,
     called only when some row draws."""
@@ -121,4 +121,4 @@ def accept(block, target_logits, draft_log_probs, rows: RowSampling, mode: Mode,
         return sampled
     greedy = accept_greedy(block, target_logits, limit)
     drawing = rows.temperature > 0
-    return Accepted(*(mx.where(drawing.reshape(-1, *[1] * (g.ndim - 1)), s, g) for g, s in zip(greedy, sampled)))
+    return Verdict(*(mx.where(drawing.reshape(-1, *[1] * (g.ndim - 1)), s, g) for g, s in zip(greedy, sampled)))

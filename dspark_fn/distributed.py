@@ -100,7 +100,7 @@ def load_sharded(group, model=None, draft=None, quant_target=None, dtype=None, p
     so no more than one whole tensor is in memory beside the shares)."""
     from mlx.utils import tree_flatten
 
-    from .models import load_named, target_config_named
+    from .catalog import load_named, target_config_named
 
     check_split(target_config_named(model), group.size(), pipeline)
     params, tokenizer, config = load_named(model, draft, quant_target, dtype, lazy=True)

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from .driver import generate
-from .stats import Acceptance
+from .stats import Tally
 
 DATA_DIR = Path(__file__).parent / "data" / "eval"
 DATASETS = sorted(path.stem for path in DATA_DIR.glob("*.jsonl"))
@@ -33,32 +33,19 @@ def first_turns(dataset: str, n: int | None = None) -> list[str]:
     return prompts
 
 
-def chat_tokens(tokenizer, text: str, system: str | None = None, think: bool = False) -> list[int]:
-    """The prompt as the model's chat template lays it out (plain text when it has none)."""
-    if not getattr(tokenizer, "chat_template", None):
-        return tokenizer.encode(text)
-    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
-    # enable_thinking is read by Qwen3 templates and ignored by others.
-    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=think))
-
-
-def stop_tokens(tokenizer) -> list[int]:
-    return sorted(getattr(tokenizer, "eos_token_ids", None) or [tokenizer.eos_token_id])
-
-
 def run_prompts(
     params,
     prompts: Iterable[list[int]],
     max_new_tokens: int,
     stop: list[int],
-    on_prompt: Callable[[int, Acceptance], None] = lambda i, a: None,
+    on_prompt: Callable[[int, Tally], None] = lambda i, a: None,
     **generate_options,
-) -> tuple[Acceptance, int, bool]:
+) -> tuple[Tally, int, bool]:
     """Generate for each prompt, accumulating acceptance; Ctrl-C returns what was done.
 
     Returns ``(acceptance, prompts completed, interrupted)``.
     """
-    acceptance, done = Acceptance(), 0
+    acceptance, done = Tally(), 0
     try:
         for prompt in prompts:
             for event in generate(params, prompt, max_new_tokens, stop_tokens=stop, **generate_options):

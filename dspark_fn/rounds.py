@@ -20,11 +20,11 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_map
 
-from . import noise
-from .accept import Accepted, accept
+from . import rng
+from .accept import Verdict, accept
 from .cache import Cache, map_slots, settle
 from .drafts.heads import DRAFT_VOCAB_KEY, draft_chain
-from .noise import row_seeds, uniforms
+from .rng import row_seeds, uniforms
 from .sampling import GREEDY, Mode, RowSampling, batch_sampling, choose, log_probs, token_log_probs
 from .targets import activation_dtype
 from .types import Copies, PairSpec, Params, Proposal, Round, TokenLogProbs
@@ -38,7 +38,7 @@ TRACE_COUNTS: Counter = Counter()
 
 
 def init_cache(params: Params, batch_size: int, capacity: int, seed: int = 0) -> Cache:
-    """An empty cache; row b draws with the seed ``noise.row_seeds(seed, B)[b]``."""
+    """An empty cache; row b draws with the seed ``rng.row_seeds(seed, B)[b]``."""
     spec = params.spec
     return Cache(
         target=spec.target_adapter.init_kv(spec.target, batch_size, capacity, activation_dtype(params.target)),
@@ -89,7 +89,7 @@ def _draft_block(params: Params, cache: Cache, tokens: mx.array, rows: RowSampli
     vocab = params.draft.get(DRAFT_VOCAB_KEY)  # target id of each draft-vocabulary entry
 
     def pick(logits, slot):
-        draws = uniforms(cache.seeds, cache.length, noise.DRAFT_SLOT + slot, logits.shape[1:]) if mode.sampled else None
+        draws = uniforms(cache.seeds, cache.length, rng.DRAFT_SLOT + slot, logits.shape[1:]) if mode.sampled else None
         choice = choose(logits, rows, mode, draws)
         return (choice if vocab is None else vocab[choice]).astype(tokens.dtype)
 
@@ -104,9 +104,9 @@ def _draft_block(params: Params, cache: Cache, tokens: mx.array, rows: RowSampli
     return Proposal(drafted, logits, confidence, base, hidden, distribution)
 
 
-def _idle_rows_unchanged(verdict: Accepted, block: mx.array, active: mx.array) -> Accepted:
+def _idle_rows_unchanged(verdict: Verdict, block: mx.array, active: mx.array) -> Verdict:
     """Rows that finished keep their anchor and emit nothing."""
-    return Accepted(
+    return Verdict(
         mx.where(active, verdict.accepted, 0),
         mx.where(active, verdict.next_tokens, block[:, 0]),
         mx.where(active[:, None], verdict.emitted, -1),
@@ -122,7 +122,7 @@ def verify_and_commit(
     mode: Mode,
     limit: mx.array | None = None,
     active: mx.array | None = None,
-) -> tuple[Cache, Accepted]:
+) -> tuple[Cache, Verdict]:
     """Run the target on ``block = [anchor, drafts...]``, accept, and commit.
 
     Every row's K/V and draft context are written; the new ``length`` keeps
@@ -141,8 +141,8 @@ def verify_and_commit(
 
     def draws():
         return (
-            uniforms(cache.seeds, cache.length, noise.ACCEPT, (width - 1,)),
-            uniforms(cache.seeds, cache.length, noise.CORRECTION, (logits.shape[-1],)),
+            uniforms(cache.seeds, cache.length, rng.ACCEPT, (width - 1,)),
+            uniforms(cache.seeds, cache.length, rng.CORRECTION, (logits.shape[-1],)),
         )
 
     verdict = accept(block, logits, draft_log_probs, rows, mode, draws, limit)
@@ -487,7 +487,7 @@ def prefill(params: Params, cache: Cache, prompt, *, sampling=GREEDY, chunk_size
         state, last_logits = tree_map(lambda a: a[index], (state, last_logits))
     lengths = mx.array(starts + np.array([len(r) for r in rows]), mx.int32)
     sampled_rows, mode = batch_sampling(sampling, len(rows))
-    draws = uniforms(cache.seeds, lengths, noise.PREFILL, (vocab,)) if mode.sampled else None
+    draws = uniforms(cache.seeds, lengths, rng.PREFILL, (vocab,)) if mode.sampled else None
     state, tokens = state._replace(length=lengths, seeds=cache.seeds), choose(last_logits, sampled_rows, mode, draws)
     if top_log_probs is None:
         return state, tokens

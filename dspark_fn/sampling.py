@@ -12,7 +12,7 @@ from typing import NamedTuple, Sequence
 
 import mlx.core as mx
 
-from .noise import gumbel_argmax
+from .rng import gumbel_argmax
 
 GREEDY_BELOW = 1e-5  # temperatures under this mean argmax (DeepSpec's cut)
 

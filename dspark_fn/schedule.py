@@ -65,22 +65,14 @@ the round's own draws, and its slots enter Algorithm 1 with survival
 drafts every round, so it proposes copies only with ``proposals="copy"``.)
 """
 
-import hashlib
-import json
-import os
-import platform
-import time
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
-import mlx.core as mx
 import numpy as np
 
 from .copying import LONGEST_MATCH
 
 WIDTH_LADDER = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
-CACHE_DIR_ENV = "DSPARK_FN_CACHE"
 
 
 def width_buckets(block_size: int, fixed: int | None = None) -> tuple:
@@ -337,59 +329,3 @@ class DraftGate:
     def observe(self, accepted: np.ndarray, limits: np.ndarray, confidences: np.ndarray) -> None:
         """A drafted round (see ``SlotRates.observe_drafts``)."""
         self.rates.observe_drafts(accepted, limits, confidences)
-
-
-def fastest_seconds(runs: dict, passes: int = 7) -> dict:
-    """Fastest wall time of each ``mx.eval(run())``, after one warm-up each
-    (which compiles). The runs take turns, pass after pass, so a burst of
-    load elsewhere on the machine cannot skew one entry alone."""
-    for run in runs.values():
-        mx.eval(run())
-    best = {name: float("inf") for name in runs}
-    for _ in range(passes):
-        for name, run in runs.items():
-            start = time.perf_counter()
-            mx.eval(run())
-            best[name] = min(best[name], time.perf_counter() - start)
-    return best
-
-
-def monotone(verify_seconds: dict) -> dict:
-    """Verifying more tokens never costs less: a running maximum over the
-    widths, so timing noise cannot invert the curve."""
-    slowest, curve = 0.0, {}
-    for width in sorted(verify_seconds):
-        slowest = max(slowest, verify_seconds[width])
-        curve[width] = slowest
-    return curve
-
-
-def cost_cache_path() -> Path:
-    root = os.environ.get(CACHE_DIR_ENV) or Path.home() / ".cache" / "dspark_fn"
-    return Path(root) / "verify_costs.json"
-
-
-def device_key() -> str:
-    """The running machine: host, architecture, MLX device and version."""
-    return f"{platform.node()}|{platform.machine()}|{mx.default_device()}|mlx {mx.__version__}"
-
-
-def cost_key(model: str, batch: int, capacity: int, sampling) -> str:
-    digest = hashlib.sha256(model.encode()).hexdigest()[:16]
-    return f"{digest}|{device_key()}|batch {batch}|capacity {capacity}|{sampling}"
-
-
-def cached_costs(key: str, measure: Callable[[], CostCurve], path: Path | None = None) -> CostCurve:
-    """The cost curve stored under ``key``, measured (and stored) on first use."""
-    path = path or cost_cache_path()
-    stored = json.loads(path.read_text()) if path.is_file() else {}
-    if key in stored:
-        return CostCurve.from_json(stored[key])
-    curve = measure()
-    stored = json.loads(path.read_text()) if path.is_file() else {}  # others may have written meanwhile
-    stored[key] = curve.to_json()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    scratch = path.with_suffix(f".{os.getpid()}.tmp")
-    scratch.write_text(json.dumps(stored, indent=1, sort_keys=True))
-    os.replace(scratch, path)
-    return curve

@@ -1,4 +1,4 @@
-"""Acceptance statistics over the rounds of one or more generations (spec §9)."""
+"""Acceptance statistics over the rounds of one or more generations (spec §9): ``Tally``."""
 
 import time
 from dataclasses import dataclass, field
@@ -11,7 +11,7 @@ def source_name(source: str) -> str:
 
 
 @dataclass
-class Acceptance:
+class Tally:
     """Running totals; ``add`` one verify round at a time (with its source,
     also counted apart per source: see ``sources``)."""
 
@@ -22,13 +22,13 @@ class Acceptance:
     proposals: int = 0  # rounds that verified at least one draft
     slot_proposed: list = field(default_factory=list)
     slot_accepted: list = field(default_factory=list)
-    by_source: dict = field(default_factory=dict)  # source name -> Acceptance of its rounds
+    by_source: dict = field(default_factory=dict)  # source name -> Tally of its rounds
 
     def add(self, emitted: int, accepted: int, drafted: int, source: str | None = None) -> None:
         """One round: tokens emitted, proposals accepted and verified, and
         where they came from ("draft", "copy", "": see ``Event.source``)."""
         if source is not None:
-            self.by_source.setdefault(source_name(source), Acceptance()).add(emitted, accepted, drafted)
+            self.by_source.setdefault(source_name(source), Tally()).add(emitted, accepted, drafted)
         self.rounds += 1
         self.emitted += emitted
         self.accepted += accepted
@@ -67,7 +67,7 @@ class Acceptance:
         """P(slot j accepted | slot j proposed), slot 0 first."""
         return [a / p if p else 0.0 for a, p in zip(self.slot_accepted, self.slot_proposed)]
 
-    def absorb(self, other: "Acceptance") -> "Acceptance":
+    def absorb(self, other: "Tally") -> "Tally":
         """Add ``other``'s rounds to these totals (returns self)."""
         self.rounds += other.rounds
         self.emitted += other.emitted
@@ -81,7 +81,7 @@ class Acceptance:
             self.slot_proposed[slot] += proposed
             self.slot_accepted[slot] += kept
         for name, part in other.by_source.items():
-            self.by_source.setdefault(name, Acceptance()).absorb(part)
+            self.by_source.setdefault(name, Tally()).absorb(part)
         return self
 
     def sources(self) -> dict:
@@ -112,9 +112,9 @@ class Acceptance:
         )
 
 
-def combined(parts: Iterable[Acceptance]) -> Acceptance:
+def combined(parts: Iterable[Tally]) -> Tally:
     """The totals of several tallies (e.g. the requests of one reply)."""
-    total = Acceptance()
+    total = Tally()
     for part in parts:
         total.absorb(part)
     return total

@@ -12,8 +12,7 @@ from typing import Any, NamedTuple
 
 import mlx.core as mx
 
-from .drafts.base import DraftArch
-from .targets.base import TargetAdapter
+from .interfaces import DraftArch, TargetAdapter
 
 
 @dataclass(frozen=True)

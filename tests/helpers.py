@@ -15,7 +15,7 @@ import dspark_fn
 from dspark_fn.cache import settle
 from dspark_fn.checkpoints import save_draft
 from dspark_fn.drafts import resolve_arch
-from dspark_fn.drafts.init import random_draft_weights
+from dspark_fn.drafts.fresh import random_draft_weights
 
 def missing_prerequisite(reason: str, module_level: bool = False) -> None:
     """Skip a test whose fixture or package is absent on a developer's machine;

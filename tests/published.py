@@ -38,7 +38,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from dspark_fn import models
+from dspark_fn import catalog
 from helpers import build_target
 
 SNAPSHOT = "5" * 40
@@ -174,7 +174,7 @@ def write_draft(directory: Path, config: dict, target_weights: dict, seed: int) 
     """Every draft tensor in bf16 in one ``model.safetensors``, with the
     target's embedding and head copied in, as DeepSpec saves them."""
     from dspark_fn.drafts import resolve_arch
-    from dspark_fn.drafts.init import random_draft_weights
+    from dspark_fn.drafts.fresh import random_draft_weights
 
     arch = resolve_arch(config)
     weights = random_draft_weights(arch, arch.spec_from_config(config), seed=seed, gain=2.0)
@@ -281,7 +281,7 @@ def write_dflash_draft(directory: Path, config: dict, seed: int) -> None:
     """A draft's random weights in bf16 in one ``model.safetensors``: no
     embedding or head (the target's serve), norm weights spread around 1."""
     from dspark_fn.drafts import resolve_arch
-    from dspark_fn.drafts.init import random_draft_weights
+    from dspark_fn.drafts.fresh import random_draft_weights
 
     arch = resolve_arch(config)
     weights = random_draft_weights(arch, arch.spec_from_config(config), seed=seed, gain=2.0)
@@ -482,7 +482,7 @@ ALIAS_STANDINS = {
 def populate_hub_cache(cache: Path, alias: str) -> dict:
     """Both repositories of ``alias`` laid out as huggingface-hub's cache
     holds them after a download; returns their snapshot directories."""
-    pair = models.ALIASES[alias]
+    pair = catalog.ALIASES[alias]
     snapshots = {}
     for role, repo_id in (("target", pair.target), ("draft", pair.draft)):
         repo = cache / ("models--" + repo_id.replace("/", "--"))

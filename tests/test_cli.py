@@ -59,3 +59,13 @@ def test_bad_checkpoint_is_a_message_not_a_traceback(fixture, tmp_path):
                     "--prompt-tokens", "1", check=False)
     assert result.returncode == 2
     assert "has no config.json" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_the_old_spellings_still_parse():
+    """``dspark distill`` is ``dspark train``; ``--max-new-tokens`` is ``--max-tokens`` there."""
+    from dspark_fn.cli import build_parser
+
+    parser = build_parser()
+    old = parser.parse_args(["train", "--out", "run", "--max-new-tokens", "7"])
+    new = parser.parse_args(["distill", "--out", "run", "--max-tokens", "7"])
+    assert old.max_tokens == new.max_tokens == 7 and old.run is new.run

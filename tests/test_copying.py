@@ -37,7 +37,7 @@ from dspark_fn import CostCurve
 from dspark_fn.copying import LONGEST_MATCH, SHORTEST_MATCH, CopyIndex
 from dspark_fn.rounds import TRACE_COUNTS
 from dspark_fn.schedule import DRAFTED, SlotRates, source_speeds
-from dspark_fn.stats import Acceptance, combined
+from dspark_fn.stats import Tally, combined
 from helpers import (
     build_bigram_draft, build_draft, build_target, damp_attention, draft_config, mlx_lm_greedy, random_prompt,
     speculative_tokens, target_config,
@@ -374,7 +374,7 @@ def test_copies_rated_poor_recover_without_being_verified(echo):
 def test_statistics_per_source():
     """Rounds are tallied apart by source ("none": nothing verified), and
     tallies combine (a reply of several requests)."""
-    first, second = Acceptance(), Acceptance()
+    first, second = Tally(), Tally()
     first.add(4, 3, 4, "copy")
     first.add(1, 0, 0, "")
     second.add(2, 1, 3, "draft")

@@ -227,9 +227,9 @@ def test_alias_loads_the_release_from_the_hub_cache_offline(release, tmp_path, m
 
     import huggingface_hub.constants as constants
 
-    from dspark_fn import models
+    from dspark_fn import catalog
 
-    repo = tmp_path / "hub" / ("models--" + models.ALIASES["deepseek-v4-flash"].target.replace("/", "--"))
+    repo = tmp_path / "hub" / ("models--" + catalog.ALIASES["deepseek-v4-flash"].target.replace("/", "--"))
     snapshot = "0" * 40
     shutil.copytree(release / "quantized", repo / "snapshots" / snapshot)
     (repo / "refs").mkdir()
@@ -237,11 +237,11 @@ def test_alias_loads_the_release_from_the_hub_cache_offline(release, tmp_path, m
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    monkeypatch.setattr(models, "machine_memory_gb", lambda: 128.0)
+    monkeypatch.setattr(catalog, "machine_memory_gb", lambda: 128.0)
     with pytest.raises(ValueError, match="deepseek-v4-flash needs about 160 GB of memory"):
-        models.load_named("deepseek-v4-flash")
-    monkeypatch.setattr(models, "machine_memory_gb", lambda: 1024.0)  # the stand-in is tiny
-    params, _, _ = models.load_named("deepseek-v4-flash")
+        catalog.load_named("deepseek-v4-flash")
+    monkeypatch.setattr(catalog, "machine_memory_gb", lambda: 1024.0)  # the stand-in is tiny
+    params, _, _ = catalog.load_named("deepseek-v4-flash")
     direct = dspark_fn.load(release / "quantized", release / "quantized")
     prompt = np.random.default_rng(3).integers(0, NOISE, 12).tolist()
     decode = lambda pair: [t for event in dspark_fn.generate(pair, prompt, 20) for t in event.emitted]  # noqa: E731

@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 
-from dspark_fn.models import DEFAULT_DRAFT
+from dspark_fn.catalog import DEFAULT_DRAFT
 from helpers import missing_prerequisite
 
 try:

@@ -52,7 +52,7 @@ import pytest
 import dspark_fn
 from dspark_fn.checkpoints import save_draft
 from dspark_fn.drafts import dflash, resolve_arch
-from dspark_fn.drafts.init import random_draft_weights
+from dspark_fn.drafts.fresh import random_draft_weights
 from helpers import build_target, damp_attention, mlx_lm_greedy, random_prompt, target_config
 from hybrids import HYBRID_SHAPES
 from numerics import assert_fp32_close

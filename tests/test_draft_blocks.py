@@ -19,7 +19,7 @@ import pytest
 
 from dspark_fn.checkpoints import draft_params_from_weights
 from dspark_fn.drafts import resolve_arch
-from dspark_fn.drafts.init import random_draft_weights
+from dspark_fn.drafts.fresh import random_draft_weights
 from helpers import draft_config, target_config
 from numerics import assert_fp32_close
 from test_deepseek_v4 import DSPARK, TEXT

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import dspark_fn
-from dspark_fn import models
+from dspark_fn import catalog
 from dspark_fn.hub import HubError, fetch
 from dspark_fn.quantize import quantize_draft
 from helpers import build_draft, build_target, draft_config, mlx_lm_greedy, random_prompt, speculative_tokens, target_config
@@ -39,7 +39,7 @@ def offline_hub(tmp_path, monkeypatch):
 def test_hub_ids_load_from_a_prepopulated_cache_offline(offline_hub, parity_dir):
     populate_hub_cache(offline_hub, "acme/tiny-target", parity_dir / "qwen3_tiny" / "target")
     populate_hub_cache(offline_hub, "acme/tiny-draft", parity_dir / "qwen3_tiny" / "draft")
-    params, tokenizer, config = models.load_named("acme/tiny-target", "acme/tiny-draft")
+    params, tokenizer, config = catalog.load_named("acme/tiny-target", "acme/tiny-draft")
     assert config["model_type"] == "qwen3"
     reference = dspark_fn.load(parity_dir / "qwen3_tiny" / "target", parity_dir / "qwen3_tiny" / "draft")
     prompt = [5, 6, 7, 8]
@@ -56,14 +56,14 @@ def test_offline_missing_repo_names_repo_token_and_local_paths(offline_hub):
 
 
 def test_alias_implies_its_draft():
-    assert models.resolve("qwen3-4b", None) == ("Qwen/Qwen3-4B", "deepseek-ai/dspark_qwen3_4b_block7")
-    assert models.resolve("qwen3-4b", "my/draft") == ("Qwen/Qwen3-4B", "my/draft")
-    assert models.resolve(None, None)[0] == models.ALIASES[models.DEFAULT_ALIAS].target
+    assert catalog.resolve("qwen3-4b", None) == ("Qwen/Qwen3-4B", "deepseek-ai/dspark_qwen3_4b_block7")
+    assert catalog.resolve("qwen3-4b", "my/draft") == ("Qwen/Qwen3-4B", "my/draft")
+    assert catalog.resolve(None, None)[0] == catalog.ALIASES[catalog.DEFAULT_ALIAS].target
 
 
 def test_unknown_model_without_draft_is_a_clear_error():
     with pytest.raises(ValueError, match=r"no DSpark draft is known for 'org/some-model': pass --draft"):
-        models.resolve("org/some-model", None)
+        catalog.resolve("org/some-model", None)
 
 
 def test_not_a_path_nor_a_repo():
@@ -108,16 +108,16 @@ def test_bad_bit_width(pair):
 def test_a_pair_too_large_for_the_machine_is_refused_before_downloading(monkeypatch):
     import dspark_fn.hub
 
-    monkeypatch.setattr(models, "machine_memory_gb", lambda: 16.0)
+    monkeypatch.setattr(catalog, "machine_memory_gb", lambda: 16.0)
     monkeypatch.setattr(dspark_fn.hub, "fetch", lambda *a, **k: pytest.fail("fetched before the memory check"))
     with pytest.raises(ValueError, match=r"qwen3-8b needs about 21 GB of memory \(21 GB to download\); this machine has 16 GB"):
-        models.load_named("qwen3-8b")
+        catalog.load_named("qwen3-8b")
 
 
 def test_models_lists_sizes_and_whether_each_pair_fits(capsys, monkeypatch):
     from dspark_fn.cli import main
 
-    monkeypatch.setattr(models, "machine_memory_gb", lambda: 24.0)
+    monkeypatch.setattr(catalog, "machine_memory_gb", lambda: 24.0)
     assert main(["models"]) == 0
     listing = capsys.readouterr().out
     assert "download 10.9 GB, memory about 11.5 GB: fits this machine" in listing

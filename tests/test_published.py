@@ -26,7 +26,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 import dspark_fn
-from dspark_fn import checkpoints, models
+from dspark_fn import catalog, checkpoints
 from helpers import mlx_lm_greedy, random_prompt, speculative_tokens
 from numerics import assert_fp32_close
 from published import ALIAS_STANDINS, populate_hub_cache, write_multimodal_gemma4
@@ -56,7 +56,7 @@ def test_gemma4_multimodal_layout_runs_its_text_model(parity_dir, tmp_path, mode
 
 @pytest.mark.parametrize("alias", sorted(ALIAS_STANDINS))
 def test_alias_runs_offline_from_its_published_layout(alias, tmp_path, monkeypatch):
-    """``dspark_fn.models.load_named(alias)`` with only a hub cache holding
+    """``dspark_fn.catalog.load_named(alias)`` with only a hub cache holding
     stand-ins of the alias's two repositories: greedy DSpark output of a
     chat prompt equals mlx-lm's greedy decoding of the stand-in target."""
     from mlx_lm.utils import load_model
@@ -69,12 +69,12 @@ def test_alias_runs_offline_from_its_published_layout(alias, tmp_path, monkeypat
 
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    monkeypatch.setattr(models, "machine_memory_gb", lambda: 1024.0)  # the stand-ins are tiny
-    stored, _, _ = models.load_named(alias)
+    monkeypatch.setattr(catalog, "machine_memory_gb", lambda: 1024.0)  # the stand-ins are tiny
+    stored, _, _ = catalog.load_named(alias)
     assert {value.dtype for _, value in tree_flatten(stored.target)} == {mx.bfloat16}
     # Both sides compute in float32: bf16 rounding (its order differs between
     # any two kernels) would otherwise decide near-ties of a random model.
-    params, tokenizer, _ = models.load_named(alias, dtype=mx.float32)
+    params, tokenizer, _ = catalog.load_named(alias, dtype=mx.float32)
     prompt = list(tokenizer.apply_chat_template([{"role": "user", "content": "hello world"}], add_generation_prompt=True))
     reference, _ = load_model(snapshots["target"])
     reference.set_dtype(mx.float32)
@@ -89,7 +89,7 @@ def test_radixark_yarn_draft_proposes_as_mlx_vlm(tmp_path):
     from mlx_lm.utils import load_model
 
     ALIAS_STANDINS["qwen3.8-27b"](tmp_path / "target", tmp_path / "draft")
-    config, target_params, _ = models.load_target_named(str(tmp_path / "target"), dtype=mx.float32)
+    config, target_params, _ = catalog.load_target_named(str(tmp_path / "target"), dtype=mx.float32)
     params = checkpoints.pair_with_draft(config, target_params, tmp_path / "draft")
     reference, _ = load_model(tmp_path / "target")
     reference.set_dtype(mx.float32)
@@ -110,10 +110,10 @@ def test_radixark_yarn_draft_proposes_as_mlx_vlm(tmp_path):
 def test_a_big_hybrid_pair_is_refused_on_a_small_machine(alias, machine_gb, monkeypatch):
     import dspark_fn.hub
 
-    monkeypatch.setattr(models, "machine_memory_gb", lambda: machine_gb)
+    monkeypatch.setattr(catalog, "machine_memory_gb", lambda: machine_gb)
     monkeypatch.setattr(dspark_fn.hub, "fetch", lambda *a, **k: pytest.fail("fetched before the memory check"))
-    needs = f"{models.ALIASES[alias].memory_gb:.0f} GB"
+    needs = f"{catalog.ALIASES[alias].memory_gb:.0f} GB"
     with pytest.raises(ValueError, match=rf"{re.escape(alias)} needs about {needs} of memory"):
-        models.load_named(alias)
-    monkeypatch.setattr(models, "machine_memory_gb", lambda: models.ALIASES[alias].memory_gb + 1)
-    models.check_fits(alias)
+        catalog.load_named(alias)
+    monkeypatch.setattr(catalog, "machine_memory_gb", lambda: catalog.ALIASES[alias].memory_gb + 1)
+    catalog.check_fits(alias)

@@ -14,7 +14,7 @@ from dspark_fn.drafts import ARCH_REGISTRY, DraftArch, register_arch
 from dspark_fn.drafts.base import DSparkFields, dspark_fields
 from dspark_fn.drafts.heads import frame_shapes, head_shapes
 from dspark_fn.checkpoints import save_draft
-from dspark_fn.drafts.init import random_draft_weights
+from dspark_fn.drafts.fresh import random_draft_weights
 from helpers import build_target, draft_config, mlx_lm_greedy, random_prompt, target_config
 
 

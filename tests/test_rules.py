@@ -8,7 +8,7 @@ import pytest
 
 from dspark_fn import ops
 from dspark_fn.cache import block_mask, causal_mask, prefix_mask, write_rows
-from dspark_fn.noise import row_seeds, uniforms
+from dspark_fn.rng import row_seeds, uniforms
 from dspark_fn.sampling import Mode, Sampling, batch_sampling, choose, log_probs
 from dspark_fn.accept import accept_greedy, accept_sampled, correction, emitted_tokens, leading_run
 

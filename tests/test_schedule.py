@@ -9,13 +9,12 @@ import pytest
 
 import dspark_fn
 from dspark_fn.rounds import TRACE_COUNTS
+from dspark_fn.costs import cached_costs, monotone
 from dspark_fn.schedule import (
     CostCurve,
     DraftGate,
     VerifyPolicy,
     bucket_for,
-    cached_costs,
-    monotone,
     scheduled_length,
     threshold_lengths,
     width_buckets,

@@ -30,7 +30,7 @@ import pytest
 
 import dspark_fn
 from dspark_fn.checkpoints import load_tokenizer
-from dspark_fn.evaluate import chat_tokens, stop_tokens
+from dspark_fn.chat import chat_tokens, stop_tokens
 from helpers import build_draft, build_target, mlx_lm_greedy
 from numerics import fp32_bound
 from hybrids import HYBRID_SHAPES, hybrid_draft_config
@@ -116,7 +116,7 @@ def client(server):
 @pytest.fixture(scope="module")
 def library(pair):
     """The same pair in this process, for reference outputs."""
-    params = dspark_fn.models.load_named(str(pair / "target"), str(pair / "draft"), dtype=__import__("mlx.core").core.float32)[0]
+    params = dspark_fn.catalog.load_named(str(pair / "target"), str(pair / "draft"), dtype=__import__("mlx.core").core.float32)[0]
     tokenizer = load_tokenizer(pair / "target")
     return params, tokenizer
 

@@ -39,7 +39,7 @@ def library(pair):
     import dspark_fn
     from dspark_fn.checkpoints import load_tokenizer
 
-    params = dspark_fn.models.load_named(str(pair / "target"), str(pair / "draft"), dtype=mx.float32)[0]
+    params = dspark_fn.catalog.load_named(str(pair / "target"), str(pair / "draft"), dtype=mx.float32)[0]
     return params, load_tokenizer(pair / "target")
 
 
@@ -78,7 +78,7 @@ def test_concurrent_greedy_replies_equal_one_process(client, library):
 
 def unending_prompt(library, budget: int) -> str:
     """A prompt whose greedy reply runs the whole budget (no stop token): its request ends only when cancelled."""
-    from dspark_fn.evaluate import chat_tokens
+    from dspark_fn.chat import chat_tokens
 
     tokenizer = library[1]
     for number in range(50):

@@ -62,7 +62,7 @@ def library(tmp_path_factory):
     """A tiny Qwen3 pair with a tokenizer, loaded here: ``(params, tokenizer)``."""
     root = tmp_path_factory.mktemp("supervision")
     qwen3_pair(tied=True, taps=[1, 2, 3, 4, 5])(root / "target", root / "draft")
-    params = dspark_fn.models.load_named(str(root / "target"), str(root / "draft"), dtype=mx.float32)[0]
+    params = dspark_fn.catalog.load_named(str(root / "target"), str(root / "draft"), dtype=mx.float32)[0]
     return params, load_tokenizer(root / "target")
 
 

@@ -83,7 +83,7 @@ class ScriptedEngine:
 @pytest.fixture(scope="module", params=["embedded", "qwen3-template"])
 def served(request, tmp_path_factory):
     if request.param == "embedded":
-        from dspark_fn.models import load_target_named
+        from dspark_fn.catalog import load_target_named
 
         tokenizer = load_target_named(None)[2]
     else:

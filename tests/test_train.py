@@ -1,7 +1,7 @@
 """Draft distillation at scale, on tiny models: prompts without evaluation
 look-alikes, answers from continuous batching (resumable), feature shards
 on disk, the training forward, the loss going down, checkpoints and resume.
-The whole ``distil`` pipeline also runs on hybrid targets (recurrent layers
+The whole ``distill`` pipeline also runs on hybrid targets (recurrent layers
 beside attention).
 
 Breaks tried, and the tests that catch them:
@@ -31,7 +31,7 @@ from dspark_fn.distill import corpus as shards
 from dspark_fn.distill import objective, prompts, trainer
 from dspark_fn.drafts import resolve_arch
 from dspark_fn.drafts.vocab import frequent_tokens
-from dspark_fn.noise import row_seeds
+from dspark_fn.rng import row_seeds
 from dspark_fn import draft_block, generate
 from dspark_fn.types import PairSpec, Params
 from helpers import build_target, mlx_lm_greedy, target_config
@@ -336,7 +336,7 @@ def write_qwen3_release(directory):
 
 
 def hybrid_release(name: str):
-    """A tiny hybrid target with a chat tokenizer, as ``distil`` reads a release."""
+    """A tiny hybrid target with a chat tokenizer, as ``distill`` reads a release."""
 
     def write(directory):
         from published import qwen_tokenizer
@@ -354,7 +354,7 @@ def check_shard_rows_as_alone(target_source, features_dir, answers):
     """Each row of the first shard is one answered sequence, right-padded,
     marked for loss over its answer, with the features the sequence has
     when run alone (float16-rounded): padding reaches no kept row."""
-    from dspark_fn.models import load_target_named
+    from dspark_fn.catalog import load_target_named
     from dspark_fn.targets import resolve_target
 
     config, target_params, _ = load_target_named(target_source, dtype=mx.float32)
@@ -381,16 +381,16 @@ def check_shard_rows_as_alone(target_source, features_dir, answers):
 
 @pytest.mark.parametrize("family", sorted(RELEASES))
 def test_distil_end_to_end_writes_a_draft_that_decodes_losslessly(family, tmp_path):
-    """``distil`` from nothing: prompts, answers (the target's greedy ones),
+    """``distill`` from nothing: prompts, answers (the target's greedy ones),
     shards, a reduced-vocabulary draft; run again, every stage resumes and
     nothing is redone. The trained draft decodes as the target alone."""
     from mlx_lm.utils import load_model
 
     from dspark_fn import distill
-    from dspark_fn.models import load_named
+    from dspark_fn.catalog import load_named
 
     RELEASES[family](tmp_path / "target")
-    setup = distill.DistilConfig(taps=(1, 3), block_size=4, markov_rank=8, draft_vocab=64, answer_tokens=600,
+    setup = distill.DistillConfig(taps=(1, 3), block_size=4, markov_rank=8, draft_vocab=64, answer_tokens=600,
                                  max_new_tokens=48, sources=("bundled",), answer_batch=4, shard_rows=4, held_out=2,
                                  eval_new_tokens=24)
     config = trainer.TrainConfig(steps=4, checkpoint_every=4, anchors_per_sequence=4, sequences_per_step=2)
@@ -411,7 +411,7 @@ def test_distil_end_to_end_writes_a_draft_that_decodes_losslessly(family, tmp_pa
         def close(self):
             pass
 
-    last = distill.distil(str(tmp_path / "target"), tmp_path / "run", setup, config, log=lambda line: None,
+    last = distill.distill(str(tmp_path / "target"), tmp_path / "run", setup, config, log=lambda line: None,
                           progress=Bar)
     assert last.step == 4 and last.tau >= 1
     assert bars["train steps"].updates == [1, 1, 1, 1]  # the training bar follows every step
@@ -419,7 +419,7 @@ def test_distil_end_to_end_writes_a_draft_that_decodes_losslessly(family, tmp_pa
     assert sum(len(a.answer) for a in answers) >= 600
     covered = bars["features"].n
     bars.clear()
-    again = distill.distil(str(tmp_path / "target"), tmp_path / "run", setup, config,
+    again = distill.distill(str(tmp_path / "target"), tmp_path / "run", setup, config,
                            log=lambda line: None, progress=Bar)
     assert again is None  # the checkpoint already holds every step
     # resumed stages start their bars at the work already done, none redone

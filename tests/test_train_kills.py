@@ -29,7 +29,7 @@ from dspark_fn.distill import answers as answering
 from dspark_fn.distill import trainer
 
 HERE = Path(__file__).parent
-ARGUMENTS = ["--tokens", "400", "--max-new-tokens", "40", "--sources", "bundled", "--answer-batch", "4", "--shard-rows", "3",
+ARGUMENTS = ["--tokens", "400", "--max-tokens", "40", "--sources", "bundled", "--answer-batch", "4", "--shard-rows", "3",
              "--layers", "1", "--taps", "1", "3", "--block-size", "4", "--markov-rank", "8", "--draft-vocab", "64",
              "--steps", "6", "--steps-per-shard", "2", "--checkpoint-every", "1", "--batch", "2", "--held-out", "1"]
 

@@ -27,8 +27,8 @@ import numpy as np
 from ..checkpoints import check_draft_fits, load_draft
 from ..drafts import resolve_arch
 from ..drafts.vocab import frequent_tokens
-from ..types import PairSpec, Params
 from ..targets import resolve_target
+from ..types import PairSpec, Params
 from .answers import answer_prompts, prefix_answers, read_answers, single_stream_speed
 from .config import draft_config_for, initial_draft
 from .corpus import build_shards, read_index, shard_schedule
@@ -41,8 +41,8 @@ DRAFT_DIR = "draft"
 
 
 @dataclass(frozen=True)
-class DistilConfig:
-    """What ``distil`` needs beyond the optimiser settings."""
+class DistillConfig:
+    """What ``distill`` needs beyond the optimiser settings."""
 
     layers: int = 1
     taps: tuple | None = None  # default: spread_taps(target depth, 3)
@@ -65,9 +65,9 @@ class DistilConfig:
     init_draft: str | None = None  # start from this draft's weights, fresh optimizer (a warm restart)
 
 
-def prompt_ids(setup: DistilConfig, tokenizer, held_out: set) -> list[tuple[str, list]]:
+def prompt_ids(setup: DistillConfig, tokenizer, held_out: set) -> list[tuple[str, list]]:
     """Chat-templated token ids of the training prompts, none held out, none too long."""
-    from ..evaluate import chat_tokens
+    from ..chat import chat_tokens
 
     extra = [Prompt("file", text) for text in read_jsonl_prompts(setup.prompts_file)] if setup.prompts_file else []
     count = max(1000, setup.answer_tokens // 60)  # answers average well over 60 tokens
@@ -81,15 +81,15 @@ def prompt_ids(setup: DistilConfig, tokenizer, held_out: set) -> list[tuple[str,
     return ids
 
 
-def distil(target_source, out_dir, setup: DistilConfig, config: TrainConfig,
+def distill(target_source, out_dir, setup: DistillConfig, config: TrainConfig,
            log: Callable[[str], None] = print, progress=None) -> object:
     """Train a DSpark draft for a target into ``out_dir/draft`` (DeepSpec
     layout), every stage resuming from what ``out_dir`` holds. ``progress``
     (``tqdm``-like factory: ``progress(total, label, done)``) shows each stage with
     its ETA. Returns the last ``Progress`` (None when the checkpoint already
     holds every step)."""
-    from ..evaluate import chat_tokens, stop_tokens
-    from ..models import load_target_named
+    from ..catalog import load_target_named
+    from ..chat import chat_tokens, stop_tokens
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

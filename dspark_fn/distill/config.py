@@ -5,8 +5,8 @@ from typing import Sequence
 import numpy as np
 
 from ..checkpoints import SHARED_WITH_TARGET, draft_params_from_weights
+from ..drafts.fresh import random_draft_weights
 from ..drafts.heads import DRAFT_VOCAB_KEY
-from ..drafts.init import random_draft_weights
 
 
 def spread_taps(num_target_layers: int, count: int) -> list:

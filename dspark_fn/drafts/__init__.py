@@ -5,9 +5,9 @@ Drafts that keep their DSpark settings in a ``dflash_config`` object run
 the qwen3 backbone whatever their ``model_type`` (``drafts/dflash.py``).
 """
 
+from ..interfaces import DraftArch
 from ..registry import Registry
 from . import deepseek_v4, dflash, gemma4, qwen3
-from .base import DraftArch
 
 ARCH_REGISTRY = Registry(
     "draft",

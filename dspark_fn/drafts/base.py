@@ -1,7 +1,6 @@
-"""The interface every DSpark draft architecture implements, and the fields all share."""
+"""The config fields every DSpark draft shares, whatever its backbone."""
 
 from dataclasses import dataclass
-from typing import Callable
 
 
 @dataclass(frozen=True)
@@ -41,45 +40,3 @@ def dspark_fields(config: dict) -> dict:
         confidence_bias=True,
         draft_vocab_size=config.get("draft_vocab_size") or 0,
     )
-
-
-@dataclass(frozen=True, kw_only=True)
-class DraftArch:
-    """How to build and run one draft backbone.
-
-    spec_from_config(config) -> spec        a hashable ``DSparkFields`` subclass
-    checkpoint_shapes(spec) -> {key: shape} every tensor of a checkpoint, by its own key
-    key_map(key) -> tree key                 dotted path in the parameter tree (default: the key)
-                                             (heads always land at ``markov_head``,
-                                             ``confidence_head``, ``embed_tokens``, ``lm_head``)
-    init_context(spec, batch, capacity)      empty context state
-    extend_context(spec, params, state, features, start) -> state
-        projects target features ``[B, L, F]`` of positions ``start[b] + i`` and
-        writes them as context keys/values
-    block_forward(spec, params, state, length, block_ids) -> (base_logits, head_hidden)
-        the block at positions ``length[b] + k`` attending to context slots
-        ``< length[b]`` and to the whole block; ``head_hidden`` feeds the
-        confidence head. With ``length [B, N]`` (training) each row holds N
-        blocks side by side sharing its context (``cache.block_slots``,
-        ``cache.block_positions``, ``cache.block_mask``)
-    prepare_params(spec, tree) -> tree       optional last loading step for layouts a
-                                             per-key map cannot reach (stacking experts)
-    is_draft_key(key) -> bool                optional: which tensors of the directory are
-                                             the draft's, for drafts that ship inside their
-                                             target's checkpoint (default: all of them)
-    complete_config(config, keys) -> config  optional: facts a release's config leaves to
-                                             its checkpoint (V4-DSpark's stage count)
-    checkpoint_key(key) -> key               optional: a checkpoint's own spelling of a key
-                                             -> the spelling ``checkpoint_shapes`` uses
-    """
-
-    spec_from_config: Callable
-    checkpoint_shapes: Callable
-    init_context: Callable
-    extend_context: Callable
-    block_forward: Callable
-    key_map: Callable = lambda key: key
-    prepare_params: Callable | None = None
-    is_draft_key: Callable | None = None
-    complete_config: Callable | None = None
-    checkpoint_key: Callable | None = None

@@ -40,10 +40,12 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from .. import mhc, ops
+from .. import ops
 from ..cache import block_mask, block_positions, positions_from, write_rows
+from ..interfaces import DraftArch
 from ..layers import deepseek_v4 as family
-from .base import DraftArch, DSparkFields, dspark_fields
+from ..layers import mhc
+from .base import DSparkFields, dspark_fields
 from .heads import DRAFT_VOCAB_KEY, head_shapes
 
 DSPARK_KEYS = {

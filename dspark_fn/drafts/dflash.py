@@ -36,8 +36,8 @@ target's serve. A setting that cannot be honoured exactly raises
 import math
 from collections.abc import Mapping
 
+from ..interfaces import DraftArch
 from . import qwen3
-from .base import DraftArch
 
 GEOMETRY = (
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",

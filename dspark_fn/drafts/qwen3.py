@@ -18,8 +18,9 @@ import mlx.core as mx
 
 from .. import ops
 from ..cache import block_mask, block_positions, kv_buffers, positions_from, write_rows
+from ..interfaces import DraftArch
 from ..layers.llama import AttentionFields, attention_fields
-from .base import DraftArch, DSparkFields, dspark_fields
+from .base import DSparkFields, dspark_fields
 from .heads import decoder_layer_shapes, frame_shapes, head_shapes
 
 

@@ -1,7 +1,7 @@
 """DeepSeek-V4 block math shared by the deepseek_v4 target and its DSpark draft.
 
 Every block wraps attention and a mixture of experts in hyper-connections
-(``dspark_fn.mhc``, ``dspark_fn.moe``). Attention is multi-query over one
+(``layers/mhc.py``, ``layers/moe.py``). Attention is multi-query over one
 shared latent ``kv = kv_norm(wkv x)`` used as both key and value; queries come
 from a low-rank projection and are RMS-normalised per head; only the last
 ``qk_rope_head_dim`` dims rotate (interleaved pairs), and the output's rotated
@@ -13,8 +13,9 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from .. import mhc, ops
-from ..moe import MoEConfig, moe
+from .. import ops
+from . import mhc
+from .moe import MoEConfig, moe
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ import mlx.core as mx
 
 from .. import ops
 from ..cache import write_rows
-from ..moe import routed_experts
+from .moe import routed_experts
 from .recurrent import convolve
 
 

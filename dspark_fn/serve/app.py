@@ -21,16 +21,18 @@ import uuid
 from dataclasses import dataclass
 
 import uvicorn
-from fastapi import FastAPI, Request as HttpRequest
+from fastapi import FastAPI
+from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from ..evaluate import stop_tokens as tokenizer_stop_tokens
+from ..chat import stop_tokens as tokenizer_stop_tokens
+from ..chat import template_tokens
 from ..driver import TOP_LOG_PROBS
 from ..sampling import Sampling
 from ..stats import combined
+from . import responses
 from .engine import Engine, EngineFailure, Request
 from .errors import ApiError, server_error
-from . import responses
 from .tools import CallReader, Tools, openai_call, template_turns
 
 
@@ -150,10 +152,7 @@ class Api:
         if not isinstance(messages, list) or not messages:
             raise ApiError("'messages' must be a non-empty list", "messages")
         turns, template_options = template_turns(messages, message_text, self.tokenizer, tools)
-        if not getattr(self.tokenizer, "chat_template", None):
-            return self.tokenizer.encode("\n".join(t["content"] for t in turns))
-        return list(self.tokenizer.apply_chat_template(turns, add_generation_prompt=True, enable_thinking=False,
-                                                       **template_options))
+        return template_tokens(self.tokenizer, turns, **template_options)
 
     def text_prompt(self, body: dict) -> list:
         prompt = body.get("prompt")

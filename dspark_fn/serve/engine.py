@@ -46,11 +46,11 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map
 
 from ..cache import Cache, is_recurrent, map_slots
-from ..sampling import GREEDY, Sampling
 from ..driver import Decoder
 from ..rounds import capacity_for
+from ..sampling import GREEDY, Sampling
+from ..stats import Tally
 from ..types import Params
-from ..stats import Acceptance
 
 
 class Update(NamedTuple):
@@ -77,7 +77,7 @@ class Request:
     stop_tokens: frozenset = frozenset()
     top_log_probs: int | None = None  # score each token, with this many most likely alternatives
     events: queue.Queue = field(default_factory=queue.Queue)
-    acceptance: Acceptance = field(default_factory=Acceptance)
+    acceptance: Tally = field(default_factory=Tally)
     cached_tokens: int = 0  # prompt tokens reused from the prompt cache
     produced: int = 0
     number: int = -1  # the engine's count of it, the same on every rank

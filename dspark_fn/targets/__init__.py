@@ -6,9 +6,9 @@ line in the registry below. The round kernel only ever calls the adapter.
 
 import mlx.core as mx
 
+from ..interfaces import TargetAdapter
 from ..registry import TEXT_FAMILY, Registry, family_of
 from . import deepseek_v4, gemma4, lfm2, llama, nemotron_h, qwen3_5
-from .base import TargetAdapter
 
 TARGET_REGISTRY = Registry(
     "target",

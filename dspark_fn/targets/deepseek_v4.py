@@ -23,9 +23,12 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .. import mhc, microscaling, ops
+from .. import microscaling, ops
 from ..cache import causal_mask, positions_from, write_rows
+from ..files import read_config, read_safetensors
+from ..interfaces import TargetAdapter
 from ..layers import deepseek_v4_pooling as pooling
+from ..layers import mhc
 from ..layers.deepseek_v4 import (
     BlockSpec,
     attend,
@@ -40,7 +43,7 @@ from ..layers.deepseek_v4 import (
     query_residual,
     rope_inv_freq,
 )
-from .base import TargetAdapter, decoder_layers, output_head
+from .base import decoder_layers, output_head
 
 
 @dataclass(frozen=True)
@@ -96,7 +99,6 @@ def load_params(directory) -> dict:
     from mlx_vlm.models.deepseek_v4.language import LanguageModel
     from mlx_vlm.utils import load_model
 
-    from ..checkpoints import read_config, read_safetensors
 
     directory = Path(directory)
     weights = {key: value for key, value in read_safetensors(directory, "target").items() if not key.startswith("mtp.")}

@@ -18,6 +18,7 @@ import mlx.core as mx
 
 from .. import ops
 from ..cache import causal_mask, kv_buffers, positions_from, write_rows
+from ..interfaces import TargetAdapter
 from ..layers.gemma4 import (
     ATTENTION_SCALE,
     AttentionGeometry,
@@ -29,7 +30,8 @@ from ..layers.gemma4 import (
     scaled_embedding,
 )
 from ..sharding import Ranks, input_columns, output_rows, vocabulary_rows
-from .base import TargetAdapter, decoder_layers, output_head
+from .base import decoder_layers, output_head
+
 
 @dataclass(frozen=True)
 class Gemma4Spec:

@@ -19,8 +19,9 @@ import mlx.core as mx
 
 from .. import ops
 from ..cache import causal_mask, kv_buffers, positions_from
+from ..interfaces import TargetAdapter
 from ..layers.lfm2 import AttentionGeometry, Routing, attention, dense_feed_forward, short_conv, sparse_moe
-from .base import TargetAdapter, decoder_layers, output_head, stopping_at_prompt_end
+from .base import decoder_layers, output_head, stopping_at_prompt_end
 
 LAYER_TYPES = ("full_attention", "conv")
 REQUIRED_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "norm_eps", "conv_L_cache")

@@ -10,9 +10,10 @@ import mlx.core as mx
 
 from .. import ops
 from ..cache import causal_mask, kv_buffers, positions_from, write_rows
+from ..interfaces import TargetAdapter
 from ..layers.llama import AttentionFields, attention_fields
 from ..sharding import Ranks, input_columns, output_rows, vocabulary_rows
-from .base import TargetAdapter, decoder_layers, output_head
+from .base import decoder_layers, output_head
 
 
 @dataclass(frozen=True)

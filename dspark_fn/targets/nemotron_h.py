@@ -19,9 +19,10 @@ import mlx.nn as nn
 
 from .. import ops
 from ..cache import causal_mask, kv_buffers, positions_from, write_rows
+from ..interfaces import TargetAdapter
 from ..layers import mamba2
-from ..moe import expert_matmul
-from .base import TargetAdapter, decoder_layers, stopping_at_prompt_end
+from ..layers.moe import expert_matmul
+from .base import decoder_layers, stopping_at_prompt_end
 
 BLOCKS = {"M": "Mamba-2", "*": "attention", "-": "MLP", "E": "MoE"}
 MOE_KEYS = ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size")

@@ -25,6 +25,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from .. import ops
 from ..cache import causal_mask, kv_buffers, positions_from
+from ..interfaces import TargetAdapter
 from ..layers.gated_delta import (
     AttentionGeometry,
     DeltaGeometry,
@@ -32,8 +33,8 @@ from ..layers.gated_delta import (
     gated_attention,
     gated_delta_net,
 )
-from ..moe import routed_experts
-from .base import TargetAdapter, decoder_layers, output_head, stopping_at_prompt_end
+from ..layers.moe import routed_experts
+from .base import decoder_layers, output_head, stopping_at_prompt_end
 
 # RoPE kinds of the attention layers' rotary part; a text-only mrope (every
 # section at the same position) is plain RoPE, as mlx-lm runs it.

@@ -4,7 +4,7 @@ import math
 
 import mlx.core as mx
 
-from .base import DraftArch
+from ..interfaces import DraftArch
 
 
 def random_draft_weights(arch: DraftArch, spec, seed: int = 0, gain: float = 1.0) -> dict:

@@ -18,7 +18,7 @@ from typing import NamedTuple
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import ops
+from .. import ops
 
 SCORE_FUNCTIONS = {
     "sqrtsoftplus": lambda logits: mx.sqrt(nn.softplus(logits)),

@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import mlx.core as mx
 
-from . import ops
+from .. import ops
 
 
 class HyperConfig(NamedTuple):

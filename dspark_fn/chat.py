@@ -1,0 +1,25 @@
+"""Prompts as a model expects them: messages through its chat template, and
+the tokens that end its turn. Shared by the command line, the evaluation
+protocol, the server and training."""
+
+
+def template_tokens(tokenizer, turns: list[dict], think: bool = False, **template_options) -> list[int]:
+    """``turns`` (``{"role", "content"}`` each) as the model's chat template lays
+    them out, ready for the assistant's reply; without a template, their
+    contents one per line. ``think`` is read by Qwen3 templates and ignored by
+    others; ``template_options`` (e.g. ``tools``) go to the template."""
+    if not getattr(tokenizer, "chat_template", None):
+        return tokenizer.encode("\n".join(turn["content"] for turn in turns))
+    return list(tokenizer.apply_chat_template(turns, add_generation_prompt=True, enable_thinking=think,
+                                              **template_options))
+
+
+def chat_tokens(tokenizer, text: str, system: str | None = None, think: bool = False) -> list[int]:
+    """One user message (after an optional system message) as the model's chat template lays it out."""
+    turns = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+    return template_tokens(tokenizer, turns, think)
+
+
+def stop_tokens(tokenizer) -> list[int]:
+    """The tokens that end the model's turn."""
+    return sorted(getattr(tokenizer, "eos_token_ids", None) or [tokenizer.eos_token_id])
