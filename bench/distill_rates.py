@@ -91,12 +91,14 @@ def answers_section(config, adapter, spec, params) -> None:
     print(f"\nanswers: {len(prompts)} prompts, up to {ANSWER_TOKENS} tokens each")
     print(f"{'batch':>6} {'answer tokens':>14} {'seconds':>8} {'tokens/s':>9}")
     for batch in BATCHES:
-        answering.answer_prompts(pair, prompts[:batch], Path(f"/tmp/dspark-bench-warm-{batch}.jsonl"), 10**9, 8,
-                                 stop_tokens(tokenizer), batch)  # compiles this batch's kernels
+        answering.answer_prompts(pair, prompts[:batch], Path(f"/tmp/dspark-bench-warm-{batch}.jsonl"),
+                                 target_tokens=10**9, max_new_tokens=8, stop_tokens=stop_tokens(tokenizer),
+                                 batch_size=batch)  # compiles this batch's kernels
         path = Path(f"/tmp/dspark-bench-answers-{batch}.jsonl")
         path.unlink(missing_ok=True)
         start = time.perf_counter()
-        done = answering.answer_prompts(pair, prompts, path, 10**9, ANSWER_TOKENS, stop_tokens(tokenizer), batch)
+        done = answering.answer_prompts(pair, prompts, path, target_tokens=10**9, max_new_tokens=ANSWER_TOKENS,
+                                        stop_tokens=stop_tokens(tokenizer), batch_size=batch)
         seconds = time.perf_counter() - start
         tokens = sum(len(a.answer) for a in done)
         print(f"{batch:>6} {tokens:>14} {seconds:>8.1f} {tokens / seconds:>9.1f}")

@@ -17,7 +17,8 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from dspark_fn import generate, init_cache, propose, verify
-from dspark_fn.rounds import capacity_for, no_proposal
+from dspark_fn.buffers import capacity_for
+from dspark_fn.rounds import no_proposal
 from dspark_fn.checkpoints import mlx_lm_model
 from dspark_fn.targets import target_module
 from dspark_fn.drafts.heads import DRAFT_VOCAB_KEY

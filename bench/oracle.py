@@ -35,7 +35,9 @@ from dspark_fn.checkpoints import mlx_lm_model
 from dspark_fn.chat import chat_tokens
 from dspark_fn.evaluate import first_turns
 from dspark_fn.catalog import load_named
-from dspark_fn.rounds import capacity_for, no_proposal, prefill_slots
+from dspark_fn.buffers import capacity_for
+from dspark_fn.prefilling import prefill_slots
+from dspark_fn.rounds import no_proposal
 from dspark_fn.costs import fastest_seconds
 from report import machine
 

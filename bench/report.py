@@ -70,8 +70,7 @@ def dataset_tau(params, tokenizer, dataset: str, sampling: Sampling) -> Tally:
     for begin in range(0, len(prompts), BATCH):
         batch = prompts[begin : begin + BATCH]
         for event in generate(params, batch, TOKENS, stop_tokens=stop_tokens(tokenizer), sampling=sampling, seed=begin):
-            if event.kind == "round":
-                acceptance.add(len(event.emitted), event.accepted, len(event.drafted))
+            acceptance.count(event)
     return acceptance
 
 

@@ -46,8 +46,7 @@ def dspark_rows(params, prompts, acceptance=None, **options):
     rows, acceptance = [[] for _ in prompts], acceptance or Tally()
     for event in dspark_fn.generate(params, prompts, NEW_TOKENS, **options):
         rows[event.row] += event.emitted
-        if event.kind == "round":
-            acceptance.add(len(event.emitted), event.accepted, len(event.drafted))
+        acceptance.count(event)
     return rows, acceptance
 
 

@@ -1,12 +1,11 @@
 """dspark_fn: DSpark self-speculative decoding as pure, compiled MLX functions.
 
-Layers, each importing only from those above it: ``ops``, ``cache``,
-``noise``, ``sampling``, ``accept``; the family layers (``layers/``) below
-``targets/`` and ``drafts/``; ``types``; ``rounds`` (one round: prefill,
-insert, draft, verify, commit); ``schedule`` and ``costs`` (verify widths);
-``driver`` (``Decoder``, ``generate``); then the tools: ``checkpoints``,
-``models``, ``quantize``, ``serve``, ``distill``, ``evaluate``,
-``benchmark``, ``cli``.
+The modules form layers, each importing only from its own and the layers
+above it (README, "Layers"): foundations (records, caches, sampling and
+accept rules), layer math, model families, loading, the round (``prefilling``,
+``rounds``, ``buffers``; ``schedule`` and ``costs``), the driver
+(``Decoder``, ``generate``), then the tools (serve, distill, evaluate,
+benchmark, cli).
 
 Shape letters used in docstrings: B batch rows, L tokens in a forward, C
 cache capacity (slots), W verify width (anchor + drafts), G draft block
@@ -22,17 +21,19 @@ _EXPORTS = {
     "Cache": "cache",
     "load": "checkpoints", "load_draft": "checkpoints", "load_target": "checkpoints",
     "verify_policy": "costs",
-    "ARCH_REGISTRY": "drafts", "DraftArch": "drafts", "register_arch": "drafts", "resolve_arch": "drafts",
+    "ARCH_REGISTRY": "drafts", "DraftArch": "interfaces", "register_arch": "drafts", "resolve_arch": "drafts",
     "Decoder": "driver", "generate": "driver",
-    "draft_block": "rounds", "grow_cache": "rounds", "init_cache": "rounds", "insert": "rounds",
-    "prefill": "rounds", "propose": "rounds", "speculate": "rounds", "verify": "rounds",
+    "capacity_for": "buffers", "grow_cache": "buffers", "init_cache": "buffers",
+    "insert": "prefilling", "prefill": "prefilling",
+    "draft_block": "rounds", "propose": "rounds", "speculate": "rounds", "verify": "rounds",
     "verify_and_commit": "rounds", "verify_block": "rounds",
+    "TRACE_COUNTS": "kernel",
     "GREEDY": "sampling", "Sampling": "sampling",
     "CostCurve": "schedule", "VerifyPolicy": "schedule",
-    "TARGET_REGISTRY": "targets", "TargetAdapter": "targets", "register_target": "targets",
+    "TARGET_REGISTRY": "targets", "TargetAdapter": "interfaces", "register_target": "targets",
     "resolve_target": "targets",
-    "Copies": "types", "Event": "types", "PairSpec": "types", "Params": "types", "Proposal": "types", "Round": "types",
-    "Step": "types",
+    "Copies": "types", "DraftBlock": "types", "Event": "types", "PairSpec": "types", "Params": "types",
+    "Proposal": "types", "Round": "types", "Step": "types",
 }
 
 
@@ -49,6 +50,7 @@ __all__ = [
     "TARGET_REGISTRY",
     "Cache",
     "Copies",
+    "DraftBlock",
     "CostCurve",
     "Decoder",
     "DraftArch",
@@ -60,9 +62,11 @@ __all__ = [
     "Round",
     "Sampling",
     "Step",
+    "TRACE_COUNTS",
     "TargetAdapter",
     "VerifyPolicy",
     "draft_block",
+    "capacity_for",
     "generate",
     "grow_cache",
     "init_cache",

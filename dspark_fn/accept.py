@@ -43,7 +43,7 @@ def _full_limit(block: mx.array, limit) -> mx.array:
 
 def _accepted(block, accepted, next_tokens) -> Verdict:
     next_tokens = next_tokens.astype(block.dtype)
-    return Verdict(accepted, next_tokens, emitted_tokens(block, accepted, next_tokens))
+    return Verdict(accepted=accepted, next_tokens=next_tokens, emitted=emitted_tokens(block, accepted, next_tokens))
 
 
 def accept_greedy(block: mx.array, target_logits: mx.array, limit=None) -> Verdict:

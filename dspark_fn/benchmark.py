@@ -7,8 +7,10 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from .buffers import capacity_for, init_cache
 from .driver import generate
-from .rounds import capacity_for, init_cache, prefill, prefill_slots, propose, verify
+from .prefilling import prefill, prefill_slots
+from .rounds import propose, verify
 from .stats import Tally
 
 
@@ -29,8 +31,8 @@ def dspark_tokens(params, prompt, max_new_tokens, stop, acceptance: Tally | None
     tokens = []
     for event in generate(params, prompt, max_new_tokens, stop_tokens=stop, **options):
         tokens += event.emitted
-        if acceptance is not None and event.kind == "round":
-            acceptance.add(len(event.emitted), event.accepted, len(event.drafted), event.source)
+        if acceptance is not None:
+            acceptance.count(event)
     return tokens
 
 

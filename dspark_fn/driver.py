@@ -1,44 +1,60 @@
 """The driver: rows that enter and leave a batch between rounds (``Decoder``)
-and the generation loop over it (``generate``), one host synchronisation a round."""
+and the generation loop over it (``generate``), one host synchronisation a round.
+
+A row owns its life: its ``Row`` holds its sampling settings, its committed
+length, its budget and stop tokens, whether it asked for log-probabilities
+and its copy index. Every step (a round, or the prefill of new rows) cuts
+each row's tokens by the row's own rule (``Row.cut``) and says which rows
+ended and why (``Step.finished``); a row that ended is freed before the next
+round. ``generate``, the server's engine and the trainer's answering read
+steps; none of them cuts tokens or counts a budget of its own.
+"""
 
 import dataclasses
 from typing import Iterator, Sequence
 
 import mlx.core as mx
 import numpy as np
-from mlx.utils import tree_map
 
+from .buffers import capacity_for, check_writes, free_row, grow_cache, init_cache, take_rows
 from .cache import Cache
 from .copying import Copy, CopyIndex
 from .costs import verify_policy
-from .rounds import (
-    verify_unchecked,
-    check_writes,
-    as_rows,
-    capacity_for,
-    grow_cache,
-    init_cache,
-    insert,
-    no_proposal,
-    place_rows,
-    prefill,
-    propose,
-    undrafted,
-)
+from .prefilling import as_rows, insert, prefill
+from .rounds import no_proposal, propose, undrafted, verify
 from .sampling import GREEDY, Sampling, batch_sampling
 from .schedule import CostCurve, SlotRates, VerifyPolicy
-from .types import Copies, Event, Params, Proposal, Step, TokenLogProbs, TokenScore
+from .types import Copies, Event, Params, Step, TokenLogProbs, TokenScore
 
 PROPOSALS = ("auto", "draft", "copy")  # where a row's proposal comes from: chosen per row and round, or one source
 TOP_LOG_PROBS = 20  # the most likely tokens a round scores when a row asks for log-probabilities (OpenAI's limit)
 
 
-def _truncate(tokens: list, stop_tokens, budget: int) -> tuple[list, bool]:
-    """Cut at the first stop token (kept) and at the token budget."""
-    for i, token in enumerate(tokens[:budget]):
-        if token in stop_tokens:
-            return tokens[: i + 1], True
-    return tokens[:budget], len(tokens) >= budget
+@dataclasses.dataclass
+class Row:
+    """One sequence of a batch, from the prefill that brings it in to its end."""
+
+    sampling: Sampling
+    committed: int  # positions its cache row holds
+    budget: int | None = None  # tokens it may still emit (None: until released)
+    stop_tokens: frozenset = frozenset()  # a token that ends it (kept)
+    scoring: int | None = None  # most likely alternatives to list with each token's log-probability, or None
+    index: CopyIndex | None = None  # its committed n-grams, when rows propose copies
+    fresh: bool = True  # it joined after the pending draft was made, so that draft does not cover it
+    finish: str | None = None  # "stop" or "length" once it ended
+
+    def cut(self, tokens: list) -> list:
+        """Its share of ``tokens``: up to its first stop token (kept) and its
+        budget; counts them against the budget and notes why it ended."""
+        kept = tokens if self.budget is None else tokens[: self.budget]
+        stop = next((i for i, token in enumerate(kept) if token in self.stop_tokens), None)
+        if stop is not None:
+            kept, self.finish = kept[: stop + 1], "stop"
+        if self.budget is not None:
+            self.budget -= len(kept)
+            if self.finish is None and self.budget <= 0:
+                self.finish = "length"
+        return kept
 
 
 def _initial_capacity(rows: list, max_new_tokens: int, widest: int, capacity: int) -> None:
@@ -49,12 +65,6 @@ def _initial_capacity(rows: list, max_new_tokens: int, widest: int, capacity: in
             f"prompt of {longest} tokens + {max_new_tokens} new tokens + verify width "
             f"{widest} exceeds the cache capacity {capacity}"
         )
-
-
-def _gathered(array: mx.array, index: mx.array, batch: int) -> mx.array:
-    """Rows ``index`` of ``array`` first, then zero rows up to ``batch``."""
-    padding = mx.zeros((batch - index.size, *array.shape[1:]), array.dtype)
-    return mx.concatenate([array[index], padding]) if index.size else padding
 
 
 def _sigmoid(logits: mx.array) -> np.ndarray:
@@ -85,8 +95,8 @@ def _copy_tokens(copies: list, slots: int) -> mx.array:
 class Decoder:
     """The driver between rounds: a batch of ``batch`` rows, each a sequence
     that enters with ``insert`` (or all at once with ``start``), advances one
-    round per ``step`` and leaves with ``release``. The cache grows in
-    ``capacity_for`` buckets unless fixed.
+    round per ``step`` until its stop token or budget (or ``release``). The
+    cache grows in ``capacity_for`` buckets unless fixed.
 
     ``proposals`` says where each row's proposal comes from: "draft" (the
     DSpark draft), "copy" (the continuation of the latest earlier
@@ -121,20 +131,16 @@ class Decoder:
         self.copying = policy.max_width > 1 and (proposals == "copy" or (proposals == "auto" and auto_width))
         self.growing = capacity is None
         self.cache = init_cache(params, batch, capacity or capacity_for(1), seed)
-        self.rates = SlotRates.start(self.policies[batch].max_width - 1)
-        self.gate = self.policies[batch].gate(self.rates)
-        self.tokens = mx.zeros((batch,), mx.int32)
-        self.sampling = [GREEDY] * batch
-        self.active = np.zeros(batch, bool)
-        self.fresh = np.zeros(batch, bool)
-        self.committed = np.zeros(batch, int)
-        self.proposal = None
-        self.indices: list = [None] * batch  # each row's CopyIndex (when copying)
-        self.scoring: list = [None] * batch  # each row's asked number of most likely tokens, or None
+        self.rows: list[Row | None] = [None] * batch  # None: a free row
+        self.tokens = mx.zeros((batch,), mx.int32)  # each row's anchor
+        self.proposal = None  # the draft made with the last verify, for the coming round
+        self._sampling = batch_sampling(GREEDY, batch)
+        self.rates = SlotRates.start(policy.max_width - 1)
+        self.gate = policy.gate(self.rates)
 
     @property
     def batch(self) -> int:
-        return len(self.active)
+        return len(self.rows)
 
     @property
     def policy(self) -> VerifyPolicy:
@@ -146,10 +152,20 @@ class Decoder:
         """The most tokens a row proposes in a round."""
         return self.policy.max_width - 1
 
-    def _index(self, rows: Sequence[int], prompts: list, first_tokens: list) -> None:
-        """Each new row's copy index: its prompt and first token (when copying)."""
-        for row, prompt, token in zip(rows, prompts, first_tokens):
-            self.indices[row] = CopyIndex(list(prompt) + [token]) if self.copying else None
+    @property
+    def live(self) -> np.ndarray:
+        """``[B]`` the rows still generating."""
+        return np.array([row is not None and row.finish is None for row in self.rows])
+
+    @property
+    def busy(self) -> bool:
+        """Whether a row is still generating (another ``step`` has work)."""
+        return bool(self.live.any())
+
+    @property
+    def committed(self) -> np.ndarray:
+        """``[B]`` the positions each row's cache holds (0 for a free row)."""
+        return np.array([row.committed if row is not None else 0 for row in self.rows])
 
     def ensure_capacity(self, slots: int) -> None:
         """Grow to hold ``slots`` positions (a fixed cache refuses to write past its end)."""
@@ -158,40 +174,58 @@ class Decoder:
                 raise ValueError(f"{slots} positions exceed the fixed cache capacity {self.cache.capacity}")
             self.cache = grow_cache(self.params, self.cache, capacity_for(slots))
 
-    def start(self, prompts: list, sampling=GREEDY) -> list[int]:
-        """Prefill every row at once (batched); returns each row's first token."""
+    def _enter(self, rows: Sequence[int], prompts: list, settings: list, first: list, *, fresh: bool,
+               max_new_tokens: int | None, stop_tokens, top_log_probs: int | None) -> None:
+        for row, prompt, setting, token in zip(rows, prompts, settings, first):
+            self.rows[row] = Row(sampling=setting, committed=len(prompt), budget=max_new_tokens,
+                                 stop_tokens=frozenset(stop_tokens), scoring=top_log_probs, fresh=fresh,
+                                 index=CopyIndex(list(prompt) + [token]) if self.copying else None)
+        self._sampling = batch_sampling([row.sampling if row else GREEDY for row in self.rows], self.batch)
+
+    def _prefilled(self, rows: Sequence[int], first: list, scores: list | None) -> Step:
+        """The step of rows that were just prefilled: each one's first token."""
+        entered = [self.rows[row] for row in rows]
+        return Step(kind="prefill", rows=list(rows), emitted=[row.cut([token]) for row, token in zip(entered, first)],
+                    accepted=[0] * len(entered), drafted=[[] for _ in entered], width=0, sources=[""] * len(entered),
+                    finished=[row.finish for row in entered], log_probs=scores)
+
+    def start(self, prompts: list, sampling=GREEDY, *, max_new_tokens: int | None = None,
+              stop_tokens: Sequence[int] = ()) -> Step:
+        """Prefill every row at once (batched), each with its budget of
+        ``max_new_tokens`` (default: none) and ``stop_tokens``; returns the
+        step of their first tokens."""
         settings = [sampling] * self.batch if isinstance(sampling, Sampling) else list(sampling)
         self.cache, self.tokens = prefill(self.params, self.cache, prompts, sampling=settings, grow=self.growing)
-        self.sampling, self.active[:], self.fresh[:] = settings, True, False
-        self.committed = np.array([len(p) for p in prompts])
+        self._sampling = batch_sampling(settings, self.batch)
         self.proposal = self._next_proposal()
         mx.eval(self.tokens, self.proposal)
-        self._index(range(self.batch), prompts, self.tokens.tolist())
-        return self.tokens.tolist()
+        first = self.tokens.tolist()
+        self._enter(range(self.batch), prompts, settings, first, fresh=False, max_new_tokens=max_new_tokens,
+                    stop_tokens=stop_tokens, top_log_probs=None)
+        return self._prefilled(range(self.batch), first, None)
 
     def insert(self, rows: Sequence[int], prompts: list, *, sampling=GREEDY, seeds: Sequence[int] = (),
-               prefix: Cache | None = None, top_log_probs: int | None = None):
+               prefix: Cache | None = None, top_log_probs: int | None = None, max_new_tokens: int | None = None,
+               stop_tokens: Sequence[int] = ()) -> Step:
         """New sequences in the free rows ``rows`` between rounds (prefilled
-        together); returns their first tokens. ``prefix``: see ``insert``.
-        With ``top_log_probs`` (0..20) these rows' tokens are scored, this
-        round's and every later one's (``Step.log_probs``): it returns
-        ``(first tokens, a TokenScore each)``."""
+        together), each with its budget of ``max_new_tokens`` (default: none)
+        and ``stop_tokens``; returns the step of their first tokens.
+        ``prefix``: see ``insert``. With ``top_log_probs`` (0..20) these rows'
+        tokens are scored, these and every later one's (``Step.log_probs``)."""
         settings = [sampling] * len(rows) if isinstance(sampling, Sampling) else list(sampling)
         self.cache, tokens, *scored = insert(
             self.params, self.cache, rows, prompts, sampling=settings, seeds=seeds, prefix=prefix, grow=self.growing,
             top_log_probs=None if top_log_probs is None else TOP_LOG_PROBS,
         )
         self.tokens[mx.array(list(rows))] = tokens
-        for row, prompt, setting in zip(rows, prompts, settings):
-            self.sampling[row], self.active[row], self.fresh[row] = setting, True, True
-            self.committed[row] = len(prompt)
-            self.scoring[row] = top_log_probs
-        self._index(rows, prompts, tokens.tolist())
-        if top_log_probs is None:
-            return tokens.tolist()
-        first = TokenLogProbs(*(a[:, None] for a in scored[0]))  # one position a row
-        scores = token_scores(first, list(range(len(rows))), [1] * len(rows), [top_log_probs] * len(rows))
-        return tokens.tolist(), [row[0] for row in scores]
+        first = tokens.tolist()
+        self._enter(rows, prompts, settings, first, fresh=True, max_new_tokens=max_new_tokens,
+                    stop_tokens=stop_tokens, top_log_probs=top_log_probs)
+        scores = None
+        if top_log_probs is not None:
+            one = TokenLogProbs(*(a[:, None] for a in scored[0]))  # one position a row
+            scores = token_scores(one, list(range(len(rows))), [1] * len(rows), [top_log_probs] * len(rows))
+        return self._prefilled(rows, first, scores)
 
     def reset_policy(self) -> None:
         """Forget the measured rates and the gate's state: a sequence that
@@ -202,73 +236,65 @@ class Decoder:
 
     def release(self, row: int) -> None:
         """Free ``row``: it commits nothing more and its slots are reused."""
-        self.active[row] = False
-        self.committed[row] = 0
-        self.indices[row] = None
-        self.scoring[row] = None
-        self.cache = self.cache._replace(length=mx.where(mx.arange(self.batch) == row, 0, self.cache.length))
+        self.rows[row] = None
+        self.cache = free_row(self.cache, row)
+
+    def _release_ended(self) -> None:
+        for row, entry in enumerate(self.rows):
+            if entry is not None and entry.finish is not None:
+                self.release(row)
 
     def resize(self, batch: int) -> dict[int, int]:
-        """Move the active rows, in order, to the front of a batch of ``batch``
+        """Move the live rows, in order, to the front of a batch of ``batch``
         rows, the rest free; returns old row -> new row. Kernels and cost
         curves are per batch size, so a server runs only as many rows as it
         has requests (each size compiles once)."""
-        live = np.flatnonzero(self.active)
+        live = np.flatnonzero(self.live).tolist()
         if len(live) > batch:
             raise ValueError(f"{len(live)} active rows do not fit in a batch of {batch}")
         if batch not in self.policies:
             self.policies[batch] = verify_policy(self.params, batch_size=batch, **self._policy_options)
         if self.gate is not None:  # what it measured of the draft holds at any batch size; the costs do not
             self.gate = dataclasses.replace(self.gate, costs=self.policies[batch].costs)
-        index = mx.array(live.tolist(), mx.int32)
-        cache = init_cache(self.params, batch, self.cache.capacity)
-        if len(live):
-            cache = place_rows(cache, range(len(live)), tree_map(lambda a: a[index], self.cache))
-        self.cache = cache
-        self.tokens = _gathered(self.tokens, index, batch)
+        self.cache, self.tokens = take_rows((self.cache, self.tokens), live, batch)
         if self.proposal is not None:
-            self.proposal = Proposal(*(_gathered(a, index, batch) for a in self.proposal))
-        pad = batch - len(live)
-        self.sampling = [self.sampling[r] for r in live] + [GREEDY] * pad
-        self.active = np.concatenate([self.active[live], np.zeros(pad, bool)])
-        self.fresh = np.concatenate([self.fresh[live], np.zeros(pad, bool)])
-        self.committed = np.concatenate([self.committed[live], np.zeros(pad, int)])
-        self.indices = [self.indices[r] for r in live] + [None] * pad
-        self.scoring = [self.scoring[r] for r in live] + [None] * pad
+            self.proposal = take_rows(self.proposal, live, batch)
+        self.rows = [self.rows[row] for row in live] + [None] * (batch - len(live))
+        self._sampling = batch_sampling([row.sampling if row else GREEDY for row in self.rows], batch)
         self._check_lengths()
-        return {int(old): new for new, old in enumerate(live)}
+        return {old: new for new, old in enumerate(live)}
 
     def _check_lengths(self) -> None:
-        """The host plans every write from ``committed``: it must be the
-        cache's own length, row by row (a row longer on the device than
+        """The host plans every write from the rows' committed counts: each
+        must be the cache's own length (a row longer on the device than
         counted would be written past the slots made for it)."""
-        lengths = np.array(self.cache.length)
-        wrong = np.flatnonzero(lengths != self.committed)
+        lengths, counted = np.array(self.cache.length), self.committed
+        wrong = np.flatnonzero(lengths != counted)
         if wrong.size:
             row = int(wrong[0])
             raise ValueError(
-                f"cache row {row} holds length {lengths[row]} but the decoder counts {self.committed[row]} "
+                f"cache row {row} holds length {lengths[row]} but the decoder counts {counted[row]} "
                 f"committed positions (capacity {self.cache.capacity})"
             )
 
     def row_cache(self, row: int) -> Cache:
         """Row ``row`` as a one-row cache (e.g. to keep a conversation's prefix)."""
-        return tree_map(lambda a: a[row : row + 1], self.cache)
+        return take_rows(self.cache, [row], 1)
 
     def _next_proposal(self):
         """The draft evaluated with the verify before it (drafts alone only)."""
         if self.copying:
             return None
         drafting = self.policy.max_width > 1 and (self.gate is None or self.gate.draft_next())
-        return propose(self.params, self.cache, self.tokens, self.sampling) if drafting else None
+        return propose(self.params, self.cache, self.tokens, self._sampling) if drafting else None
 
-    def _copies(self, active: np.ndarray) -> list:
+    def _copies(self, live: np.ndarray) -> list:
         return [
-            self.indices[row].lookup(self.slots) if live and self.indices[row] is not None else Copy([], 0)
-            for row, live in enumerate(active)
+            row.index.lookup(self.slots) if alive and row.index is not None else Copy([], 0)
+            for row, alive in zip(self.rows, live)
         ]
 
-    def _sources(self, copies: list, active: np.ndarray):
+    def _sources(self, copies: list, live: np.ndarray):
         """The round's draft (None: no draft pass) and the rows that verify their copy."""
         if not self.copying:  # the draft, made with the last verify
             return self.proposal, np.zeros(self.batch, bool)
@@ -276,11 +302,12 @@ class Decoder:
         if self.proposals == "copy":
             drafting, copying = False, matches > 0
         else:
-            drafting, copying = self.gate.choose_sources(matches, active)
-        drafting = drafting and bool((active & ~copying).any())
-        return (propose(self.params, self.cache, self.tokens, self.sampling) if drafting else None), copying & active
+            drafting, copying = self.gate.choose_sources(matches, live)
+        drafting = drafting and bool((live & ~copying).any())
+        proposal = propose(self.params, self.cache, self.tokens, self._sampling) if drafting else None
+        return proposal, copying & live
 
-    def _plan(self, proposal, copies: list, copying: np.ndarray, drafting: np.ndarray, active: np.ndarray,
+    def _plan(self, proposal, copies: list, copying: np.ndarray, drafting: np.ndarray, live: np.ndarray,
               fresh: np.ndarray):
         """Verify width, per-row proposal lengths and the per-slot rates
         planned with: the draft's confidences, or a copy's measured rates."""
@@ -293,64 +320,69 @@ class Decoder:
         for row in np.flatnonzero(copying):
             confidences[row, : self.slots] = self.rates.acceptance[copies[row].match]
         proposing = (drafting | copying) if self.copying else None
-        width, limits = self.policy.plan(confidences, active, proposing, copying)
+        width, limits = self.policy.plan(confidences, live, proposing, copying)
         limits[fresh] = 0
         return width, limits, confidences
 
     def step(self) -> Step:
-        """One round over the active rows."""
-        active = self.active.copy()
-        fresh = np.zeros(self.batch, bool) if self.copying else self.fresh & active  # joined after the draft
-        copies = self._copies(active)
-        proposal, copying = self._sources(copies, active)
-        drafting = np.zeros(self.batch, bool) if proposal is None else active & ~copying & ~fresh
-        width, limits, confidences = self._plan(proposal, copies, copying, drafting, active, fresh)
-        self.ensure_capacity(int(self.committed[active].max()) + width)
-        check_writes(self.committed, width, self.cache.capacity, f"a verify of width {width}")  # every row writes
-        rows, mode = batch_sampling(self.sampling, self.batch)
+        """One round over the live rows (rows that ended in the last step are freed first)."""
+        self._release_ended()
+        live = self.live
+        if not live.any():
+            raise ValueError("no row is generating: insert a prompt first")
+        fresh = np.array([row is not None and row.fresh for row in self.rows]) & live & (not self.copying)
+        copies = self._copies(live)
+        proposal, copying = self._sources(copies, live)
+        drafting = np.zeros(self.batch, bool) if proposal is None else live & ~copying & ~fresh
+        width, limits, confidences = self._plan(proposal, copies, copying, drafting, live, fresh)
+        committed = self.committed
+        self.ensure_capacity(int(committed[live].max()) + width)
+        check_writes(committed, width, self.cache.capacity, f"a verify of width {width}")  # every row writes
         if width == 1:
             proposal = no_proposal(self.batch)
         elif proposal is None:
-            proposal = undrafted(self.params, self.batch, mode)
-        copied = Copies(_copy_tokens(copies, width - 1), mx.array(copying)) if copying.any() else None
-        scoring = any(self.scoring[r] is not None for r in np.flatnonzero(active))
-        self.cache, result = verify_unchecked(
-            self.params, self.cache, self.tokens, proposal, width, rows, mode, mx.array(limits), mx.array(active),
-            copied, TOP_LOG_PROBS if scoring else None,
+            proposal = undrafted(self.params, self.batch, self._sampling.mode)
+        copied = Copies(tokens=_copy_tokens(copies, width - 1), rows=mx.array(copying)) if copying.any() else None
+        rows = np.flatnonzero(live).tolist()
+        scoring = any(self.rows[row].scoring is not None for row in rows)
+        self.cache, result = verify(
+            self.params, self.cache, self.tokens, proposal, width, sampling=self._sampling, limit=mx.array(limits),
+            active=mx.array(live), copies=copied, top_log_probs=TOP_LOG_PROBS if scoring else None, check_room=False,
         )
         self.tokens = result.next_tokens
         self.proposal = self._next_proposal()
         mx.eval(result, self.proposal, self.cache.length)
-        self.committed += np.array(result.count)
-        self._check_lengths()  # the lengths came with this round's evaluation: no extra synchronisation
         emitted, counts, accepted = result.emitted.tolist(), result.count.tolist(), result.accepted.tolist()
-        drafted, scores = result.drafted.tolist(), result.confidences.tolist()
-        live = np.flatnonzero(active).tolist()
-        committed = [emitted[r][: counts[r]] for r in live]
-        self._learn(live, committed, copies, accepted, limits, drafting, confidences)
-        self.fresh[:] = False
-        sources = ["" if not limits[r] else "copy" if copying[r] else "draft" for r in live]
-        scored = TokenLogProbs(result.log_probs, result.top_ids, result.top_log_probs)
+        drafted = result.drafted.tolist()
+        for row in rows:
+            self.rows[row].committed += counts[row]
+        self._check_lengths()  # the lengths came with this round's evaluation: no extra synchronisation
+        kept = [emitted[row][: counts[row]] for row in rows]
+        self._learn(rows, kept, copies, accepted, limits, drafting, confidences)
+        scores = None
+        if scoring:
+            scores = token_scores(result.scores, rows, [counts[row] for row in rows],
+                                  [self.rows[row].scoring for row in rows])
+        for entry in self.rows:
+            if entry is not None:
+                entry.fresh = False
         return Step(
-            live,
-            committed,
-            [accepted[r] for r in live],
-            [drafted[r][: limits[r]] for r in live],
-            [scores[r][: limits[r]] for r in live],
-            width,
-            sources,
-            token_scores(scored, live, [counts[r] for r in live], [self.scoring[r] for r in live]) if scoring else None,
+            kind="round", rows=rows, emitted=[self.rows[row].cut(tokens) for row, tokens in zip(rows, kept)],
+            accepted=[accepted[row] for row in rows], drafted=[drafted[row][: limits[row]] for row in rows],
+            width=width, sources=["" if not limits[row] else "copy" if copying[row] else "draft" for row in rows],
+            finished=[self.rows[row].finish for row in rows], log_probs=scores,
         )
 
-    def _learn(self, live: list, committed: list, copies: list, accepted: list, limits, drafting, confidences):
+    def _learn(self, rows: list, committed: list, copies: list, accepted: list, limits, drafting, confidences):
         """Index the committed tokens; measure the draft where rows verified it
         and every copy against what was committed."""
         if drafting.any():
             self.rates.observe_drafts(np.array(accepted)[drafting], limits[drafting], confidences[drafting])
         if self.copying:
-            self.rates.observe_copies([copies[r].match for r in live], [copies[r].tokens for r in live], committed)
-            for row, tokens in zip(live, committed):
-                self.indices[row].extend(tokens)
+            self.rates.observe_copies([copies[row].match for row in rows], [copies[row].tokens for row in rows],
+                                      committed)
+            for row, tokens in zip(rows, committed):
+                self.rows[row].index.extend(tokens)
 
 
 def generate(
@@ -387,27 +419,13 @@ def generate(
     rows = as_rows(prompt)
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be at least 1")
-    batch = len(rows)
     decoder = Decoder(
-        params, batch, width=width, capacity=capacity, confidence_threshold=confidence_threshold, costs=costs,
+        params, len(rows), width=width, capacity=capacity, confidence_threshold=confidence_threshold, costs=costs,
         seed=seed, cost_sampling=sampling, proposals=proposals,
     )
     if capacity is not None:
         _initial_capacity(rows, max_new_tokens, decoder.policy.max_width, capacity)
-    stop_tokens = set(stop_tokens)
-    produced, done = [0] * batch, [False] * batch
-    for row, token in enumerate(decoder.start(rows, sampling)):
-        emitted, done[row] = _truncate([token], stop_tokens, max_new_tokens)
-        produced[row] = len(emitted)
-        yield Event("prefill", emitted, 0, [], [], row)
-        if done[row]:
-            decoder.release(row)  # its verify writes then land at slot 0, not past a tight capacity
-    while not all(done):
-        step = decoder.step()
-        for i, row in enumerate(step.rows):
-            kept, done[row] = _truncate(step.emitted[i], stop_tokens, max_new_tokens - produced[row])
-            produced[row] += len(kept)
-            yield Event("round", kept, step.accepted[i], step.drafted[i], step.confidences[i], row, step.width,
-                        step.sources[i])
-            if done[row]:
-                decoder.release(row)
+    step = decoder.start(rows, sampling, max_new_tokens=max_new_tokens, stop_tokens=stop_tokens)
+    yield from step.events()
+    while decoder.busy:
+        yield from decoder.step().events()

@@ -49,8 +49,7 @@ def run_prompts(
     try:
         for prompt in prompts:
             for event in generate(params, prompt, max_new_tokens, stop_tokens=stop, **generate_options):
-                if event.kind == "round":
-                    acceptance.add(len(event.emitted), event.accepted, len(event.drafted), event.source)
+                acceptance.count(event)
             done += 1
             on_prompt(done, acceptance)
     except KeyboardInterrupt:

@@ -320,8 +320,7 @@ def token_id_or_none(metadata: dict, name: str) -> int | None:
 
 def build_bpe_tokenizer(metadata: dict):
     """Build a byte-level BPE ``tokenizers.Tokenizer`` from GGUF metadata."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-    from tokenizers import processors
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
     model_kind = metadata_value(metadata, "tokenizer.ggml.model")
     if model_kind != "gpt2":

@@ -10,7 +10,6 @@ from typing import NamedTuple
 import mlx.core as mx
 import mlx.nn as nn
 
-
 # Markers a tensor-parallel target's modules carry (``sharding.py``): their
 # values are unused, their presence says what a rank's share of the module is.
 PARTIAL_SUM = "partial_sum"  # a linear over this rank's input columns: its outputs sum over the ranks

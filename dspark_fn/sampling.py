@@ -60,8 +60,20 @@ class Mode:
     top_p: bool = False  # some drawing row filters by top-p
 
 
-def batch_sampling(sampling: "Sampling | Sequence[Sampling]", rows: int) -> tuple[RowSampling, Mode]:
-    """One ``Sampling`` for every row, or one per row -> arrays and mode."""
+class BatchSampling(NamedTuple):
+    """A batch's settings ready for the kernels: the per-row arrays and the mode they compile for."""
+
+    rows: RowSampling
+    mode: Mode
+
+
+def batch_sampling(sampling: "Sampling | Sequence[Sampling] | BatchSampling", rows: int) -> BatchSampling:
+    """One ``Sampling`` for every row, or one per row -> arrays and mode (a
+    ``BatchSampling`` already made is returned as it is)."""
+    if isinstance(sampling, BatchSampling):
+        if sampling.rows.temperature.shape[0] != rows:
+            raise ValueError(f"sampling settings for {sampling.rows.temperature.shape[0]} rows, not {rows}")
+        return sampling
     settings = [sampling] * rows if isinstance(sampling, Sampling) else list(sampling)
     if len(settings) != rows:
         raise ValueError(f"{len(settings)} sampling settings for {rows} rows")
@@ -73,11 +85,11 @@ def batch_sampling(sampling: "Sampling | Sequence[Sampling]", rows: int) -> tupl
         top_p=any(s.top_p < 1 for s in drawing),
     )
     arrays = RowSampling(
-        mx.array([0.0 if s.greedy else s.temperature for s in settings], mx.float32),
-        mx.array([s.top_k for s in settings], mx.int32),
-        mx.array([s.top_p for s in settings], mx.float32),
+        temperature=mx.array([0.0 if s.greedy else s.temperature for s in settings], mx.float32),
+        top_k=mx.array([s.top_k for s in settings], mx.int32),
+        top_p=mx.array([s.top_p for s in settings], mx.float32),
     )
-    return arrays, mode
+    return BatchSampling(arrays, mode)
 
 
 def _per_row(values: mx.array, like: mx.array) -> mx.array:

@@ -24,6 +24,12 @@ class Tally:
     slot_accepted: list = field(default_factory=list)
     by_source: dict = field(default_factory=dict)  # source name -> Tally of its rounds
 
+    def count(self, event) -> None:
+        """A step's ``Event`` for one row: a round adds its tokens, accepted
+        and verified proposals under its source; a prefill adds nothing."""
+        if event.kind == "round":
+            self.add(len(event.emitted), event.accepted, len(event.drafted), event.source)
+
     def add(self, emitted: int, accepted: int, drafted: int, source: str | None = None) -> None:
         """One round: tokens emitted, proposals accepted and verified, and
         where they came from ("draft", "copy", "": see ``Event.source``)."""

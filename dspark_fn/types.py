@@ -42,12 +42,26 @@ class Params(NamedTuple):
 
 
 class Proposal(NamedTuple):
+    """What a verify reads of a draft pass (and the driver plans the width from)."""
+
     tokens: mx.array  # [B, G] drafted tokens
+    confidence_logits: mx.array  # [B, G] the confidence head's logits
+    log_probs: mx.array  # [B, G, V] distribution each draft was drawn from (unread by greedy rows)
+
+
+class DraftBlock(NamedTuple):
+    """Everything one draft pass computes (``draft_block``), for inspection and
+    parity checks; the compiled round keeps only its ``Proposal``."""
+
+    tokens: mx.array  # [B, G]
     logits: mx.array  # [B, G, V'] Markov-corrected logits over the draft vocabulary (V' = V when full)
     confidence_logits: mx.array  # [B, G]
-    base_logits: mx.array  # [B, G, V']
+    base_logits: mx.array  # [B, G, V'] before the Markov correction
     hidden: mx.array  # [B, G, d] input of the confidence head
     log_probs: mx.array  # [B, G, V] distribution each draft was drawn from (= logits when greedy)
+
+    def proposal(self) -> Proposal:
+        return Proposal(tokens=self.tokens, confidence_logits=self.confidence_logits, log_probs=self.log_probs)
 
 
 class Copies(NamedTuple):
@@ -55,18 +69,6 @@ class Copies(NamedTuple):
 
     tokens: mx.array  # [B, W - 1] each copying row's copied tokens (any values in the other rows)
     rows: mx.array  # [B] bool: the rows whose block is their copy
-
-
-class Round(NamedTuple):
-    emitted: mx.array  # [B, W] accepted drafts then the target's token, -1 padded
-    count: mx.array  # [B] number of emitted tokens (accepted + 1; 0 for an idle row)
-    next_tokens: mx.array  # [B] the next anchor
-    accepted: mx.array  # [B]
-    drafted: mx.array  # [B, W - 1] the drafts that were verified
-    confidences: mx.array  # [B, W - 1]
-    log_probs: mx.array  # [B, W] each emitted token's log-probability under the target ([B, 0] when not asked)
-    top_ids: mx.array  # [B, W, K] the target's K most likely tokens at each emitted position
-    top_log_probs: mx.array  # [B, W, K]
 
 
 class TokenLogProbs(NamedTuple):
@@ -77,30 +79,52 @@ class TokenLogProbs(NamedTuple):
     top_log_probs: mx.array  # [B, ..., K]
 
 
+class Round(NamedTuple):
+    emitted: mx.array  # [B, W] accepted drafts then the target's token, -1 padded
+    count: mx.array  # [B] number of emitted tokens (accepted + 1; 0 for an idle row)
+    next_tokens: mx.array  # [B] the next anchor
+    accepted: mx.array  # [B]
+    drafted: mx.array  # [B, W - 1] the proposals that were verified
+    scores: TokenLogProbs | None = None  # [B, W] at each emitted position, when asked (``top_log_probs``)
+
+
 class Event(NamedTuple):
-    """What one step of ``generate`` produced for one row (``kind`` is "prefill" or "round")."""
+    """What one row got from one step of a ``Decoder`` (``kind`` "prefill" or "round")."""
 
     kind: str
-    emitted: list
+    emitted: list  # its new tokens, cut at its stop token (kept) and its budget
     accepted: int
-    drafted: list  # the proposal this row verified (its first ``limit`` drafts)
-    confidences: list
+    drafted: list  # the proposals it verified
     row: int = 0
-    width: int = 0  # verify width of the round (shared by the batch)
+    width: int = 0  # verify width of the round (shared by the batch; 0 for a prefill)
     source: str = ""  # what the row verified: "draft", "copy", or "" (nothing: a plain target step)
+    finish: str | None = None  # "stop" (its stop token) or "length" (its budget) when the row ended here
+    log_probs: list | None = None  # a TokenScore per emitted token, when the row asked
 
 
 class Step(NamedTuple):
-    """What one round of a ``Decoder`` produced, host-side, for its active rows."""
+    """What one step of a ``Decoder`` (a round, or the prefill of new rows)
+    produced, host-side, for the rows that took part (one entry each)."""
 
-    rows: list  # the rows that took part
-    emitted: list  # per row: accepted drafts then the target's token
+    kind: str  # "round" or "prefill"
+    rows: list
+    emitted: list  # per row: its new tokens, cut at its stop token (kept) and its budget
     accepted: list
-    drafted: list  # per row: the drafts it verified
-    confidences: list
+    drafted: list  # per row: the proposals it verified
     width: int
     sources: list  # per row: "draft", "copy" or "" (see ``Event.source``)
+    finished: list  # per row: "stop", "length" or None (it goes on)
     log_probs: list | None = None  # per row: a TokenScore per emitted token, or None (not asked)
+
+    def events(self) -> list[Event]:
+        """The step row by row."""
+        scores = self.log_probs or [None] * len(self.rows)
+        return [
+            Event(kind=self.kind, emitted=emitted, accepted=accepted, drafted=drafted, row=row, width=self.width,
+                  source=source, finish=finish, log_probs=score)
+            for row, emitted, accepted, drafted, source, finish, score in zip(
+                self.rows, self.emitted, self.accepted, self.drafted, self.sources, self.finished, scores)
+        ]
 
 
 class TokenScore(NamedTuple):

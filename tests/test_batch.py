@@ -200,9 +200,9 @@ def test_a_resized_batch_goes_on_as_if_never_resized(request, prompts, width, pa
         kept, moved = steady.step(), moving.step()
         assert (kept.rows, moved.rows) == ([1], [0]) and same_round(kept, moved)
     assert moving.resize(2) == {0: 0}
-    first = steady.insert([3], [prompts[3]])
-    assert moving.insert([1], [prompts[3]]) == first
-    joined = list(first)
+    first = steady.insert([3], [prompts[3]]).emitted
+    assert moving.insert([1], [prompts[3]]).emitted == first
+    joined = list(first[0])
     for _ in range(4):
         kept, moved = steady.step(), moving.step()
         assert (kept.rows, moved.rows) == ([1, 3], [0, 1]) and same_round(kept, moved)

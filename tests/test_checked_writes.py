@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import dspark_fn
-from dspark_fn import rounds
+from dspark_fn import buffers, prefilling
 from dspark_fn.driver import Decoder
 from helpers import build_draft, build_target, draft_config, random_prompt, target_config
 
@@ -43,12 +43,12 @@ def prompt(length: int, seed: int = 0) -> list:
 def test_a_prefill_chunk_past_the_cache_raises(params, monkeypatch):
     """A growing prefill whose growth stops short (the last chunk of a
     300-token prompt left in 256 slots) is refused before that chunk runs."""
-    grow = rounds.grow_cache
-    monkeypatch.setattr(rounds, "grow_cache", lambda p, cache, capacity: grow(p, cache, min(capacity, CAPACITY)))
-    cache = rounds.init_cache(params, 1, CAPACITY)
+    grow = buffers.grow_cache
+    monkeypatch.setattr(prefilling, "grow_cache", lambda p, cache, capacity: grow(p, cache, min(capacity, CAPACITY)))
+    cache = buffers.init_cache(params, 1, CAPACITY)
     with pytest.raises(ValueError, match=r"prefill chunk: cache row 0 at length 256 would write 64 slots past the "
                                          r"capacity 256"):
-        rounds.prefill(params, cache, prompt(300), grow=True)
+        prefilling.prefill(params, cache, prompt(300), grow=True)
 
 
 def test_a_verify_past_the_capacity_raises(params):
@@ -56,7 +56,8 @@ def test_a_verify_past_the_capacity_raises(params):
     inconsistent with the cache) is refused before the verify writes."""
     decoder = Decoder(params, 2, width=3, capacity=CAPACITY)
     decoder.start([prompt(5), prompt(9, 1)])
-    decoder.active[1], decoder.committed[1] = False, CAPACITY - 1
+    decoder.rows[1].finish, decoder.rows[1].committed = "stop", CAPACITY - 1  # ended, but not freed yet:
+    decoder._release_ended = lambda: None  # its row still writes a verify's width at its count
     with pytest.raises(ValueError, match=r"a verify of width 3: cache row 1 at length 255 would write 3 slots past "
                                          r"the capacity 256"):
         decoder.step()
@@ -67,7 +68,7 @@ def test_a_row_longer_in_the_cache_than_counted_raises(params):
     where the decoder planned nothing) is refused after the round that reads it."""
     decoder = Decoder(params, 1, width=3, capacity=CAPACITY)
     decoder.start([prompt(7)])
-    decoder.committed[0] -= 2
+    decoder.rows[0].committed -= 2
     with pytest.raises(ValueError, match=r"cache row 0 holds length \d+ but the decoder counts \d+ committed "
                                          r"positions \(capacity 256\)"):
         decoder.step()

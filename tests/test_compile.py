@@ -6,7 +6,9 @@ import pytest
 from mlx.utils import tree_flatten
 
 import dspark_fn
-from dspark_fn.rounds import TRACE_COUNTS, capacity_for, init_cache, prefill
+from dspark_fn.buffers import capacity_for, init_cache
+from dspark_fn.kernel import TRACE_COUNTS
+from dspark_fn.prefilling import prefill
 from dspark_fn.schedule import CostCurve
 from helpers import build_draft, build_target, draft_config, random_prompt, speculative_tokens, target_config
 from numerics import assert_fp32_close

@@ -35,7 +35,7 @@ import pytest
 import dspark_fn
 from dspark_fn import CostCurve
 from dspark_fn.copying import LONGEST_MATCH, SHORTEST_MATCH, CopyIndex
-from dspark_fn.rounds import TRACE_COUNTS
+from dspark_fn.kernel import TRACE_COUNTS
 from dspark_fn.schedule import DRAFTED, SlotRates, source_speeds
 from dspark_fn.stats import Tally, combined
 from helpers import (
@@ -237,7 +237,7 @@ def test_copies_continue_the_committed_text(pair, proposals):
     model, params = pair
     prompts = [random_prompt(np.random.default_rng(seed), 9 + 11 * seed, CONFIG["vocab_size"]) for seed in range(3)]
     decoder = dspark_fn.Decoder(params, 3, width="auto", costs=COSTS, proposals=proposals)
-    texts = [p + [t] for p, t in zip(prompts, decoder.start(prompts))]
+    texts = [p + emitted for p, emitted in zip(prompts, decoder.start(prompts).emitted)]
     copies = 0
     for _ in range(24):
         step = decoder.step()
@@ -247,7 +247,7 @@ def test_copies_continue_the_committed_text(pair, proposals):
                 copies += 1
             texts[row] += emitted
     assert copies > 5
-    assert [index.tokens for index in decoder.indices] == texts
+    assert [row.index.tokens for row in decoder.rows] == texts
     assert all(text[len(p):] == mlx_lm_greedy(model, p, len(text) - len(p)) for p, text in zip(prompts, texts))
 
 

@@ -20,7 +20,7 @@ import dspark_fn
 from dspark_fn import ops
 from dspark_fn.checkpoints import save_draft
 from dspark_fn.drafts import deepseek_v4 as draft_v4
-from dspark_fn.rounds import TRACE_COUNTS
+from dspark_fn.kernel import TRACE_COUNTS
 from dspark_fn.targets import deepseek_v4 as target_v4
 from numerics import assert_fp32_close
 

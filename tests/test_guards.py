@@ -1,5 +1,5 @@
-"""Guards for four promises the code keeps and no other test held: a stop
-string split across rounds, rows moved by a resize, a prefill's last chunk
+"""Guards for five promises the code keeps and no other test held: a stop
+string split across rounds, a stop token kept, rows moved by a resize, a prefill's last chunk
 past a capacity bucket, and a reduced draft vocabulary without a Markov head.
 
 One tiny target (byte-level BPE tokenizer, readable greedy text) and a
@@ -26,8 +26,11 @@ off), and the tests that catch them:
   test_a_last_chunk_past_the_bucket_grows_the_cache[prefill / insert]
   (the capacity is asserted before anything runs; run, the chunk writes
   past its buffer and aborts the interpreter);
+- a stop token dropped from the reply (``kept[:stop]`` in ``Row.cut``):
+  test_a_stop_token_ends_a_reply_kept, and with it generate's and
+  training's own tests (test_lossless.py, test_train.py);
 - the draft vocabulary's index map shifted by one: ``vocab[(choice + 1) %
-  V']`` or ``vocab[choice] + 1`` in ``rounds._draft_block``, or the output
+  V']`` or ``vocab[choice] + 1`` in ``rounds._draft``, or the output
   head's rows cut with the ids rolled by one at load
   (``checkpoints.draft_params_from_weights``):
   test_a_reduced_vocabulary_drafts_the_same_target_ids.
@@ -39,15 +42,16 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
+from helpers import build_draft, build_target, draft_config, mlx_lm_greedy, random_prompt, target_config
 from mlx.utils import tree_flatten
+from published import qwen_tokenizer
 
 import dspark_fn
+from dspark_fn.buffers import capacity_for
 from dspark_fn.checkpoints import load_tokenizer, save_draft
 from dspark_fn.drafts.vocab import reduced_checkpoint
-from dspark_fn.rounds import LONG_PREFILL_CHUNK, PREFILL_CHUNK, capacity_for, chunk_spans, prefill_slots
+from dspark_fn.prefilling import LONG_PREFILL_CHUNK, PREFILL_CHUNK, chunk_spans, prefill_slots
 from dspark_fn.serve.engine import Engine, Request
-from helpers import build_draft, build_target, draft_config, mlx_lm_greedy, random_prompt, target_config
-from published import qwen_tokenizer
 
 VOCAB = 300  # the test tokenizer's size
 CONFIG = target_config("qwen3", vocab=VOCAB, hidden=32, layers=3, heads=2, kv_heads=1, head_dim=16)
@@ -156,6 +160,24 @@ def test_a_stop_string_split_across_two_rounds_is_held_back(pair):
         engine.close()
 
 
+def test_a_stop_token_ends_a_reply_kept(pair):
+    """A request's stop token, reached inside a round of several tokens, ends
+    its reply with the stop token kept and counted: the rule the decoder's
+    rows own (``driver.Row.cut``), the same one ``generate`` and the
+    trainer's answering read."""
+    model, params, _ = pair
+    prompt = random_prompt(np.random.default_rng(4), 30, VOCAB)
+    truth = mlx_lm_greedy(model, prompt, 24)
+    stop = truth[6]
+    cut = truth[: truth.index(stop) + 1]
+    engine = Engine(params, max_batch=2, max_context=128, width=3)
+    try:
+        request = engine.submit(Request(prompt=prompt, max_tokens=24, stop_tokens=frozenset({stop})))
+        assert replies([request]) == [cut] and request.produced == len(cut)
+    finally:
+        engine.close()
+
+
 # ---- 2. rows that a resize moves keep their own committed lengths
 
 
@@ -168,7 +190,7 @@ def test_rows_moved_by_a_resize_keep_their_lengths_and_grow_the_cache(pair):
     rng = np.random.default_rng(2)
     prompts = [random_prompt(rng, length, VOCAB) for length in (30, 190, 60, 236)]
     decoder = dspark_fn.Decoder(params, 4, width=3)
-    streams = [[token] for token in decoder.insert(range(4), prompts)]
+    streams = decoder.insert(range(4), prompts).emitted
     for _ in range(2):
         step = decoder.step()
         for row, emitted in zip(step.rows, step.emitted):

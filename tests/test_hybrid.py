@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import dspark_fn
-from dspark_fn.rounds import TRACE_COUNTS
+from dspark_fn.kernel import TRACE_COUNTS
 from dspark_fn.serve.engine import PromptCache
 from helpers import (
     PROPOSALS, build_draft, build_target, drive_proposals, mlx_lm_greedy, random_prompt, speculative_tokens, wrong_token,
@@ -90,7 +90,7 @@ def test_inserted_and_resized_rows_decode_as_alone(pair):
     rng = np.random.default_rng(4)
     prompts = [random_prompt(rng, n, vocab) for n in (7, 19, 4)]
     decoder = dspark_fn.Decoder(params, 4, width=None)
-    streams = {0: decoder.insert([0], [prompts[0]]), 2: decoder.insert([2], [prompts[1]])}
+    streams = {0: decoder.insert([0], [prompts[0]]).emitted[0], 2: decoder.insert([2], [prompts[1]]).emitted[0]}
 
     def run(rounds, rows):
         for _ in range(rounds):
@@ -99,7 +99,7 @@ def test_inserted_and_resized_rows_decode_as_alone(pair):
                 streams[rows[row]] += emitted
 
     run(3, {0: 0, 2: 2})
-    streams[3] = decoder.insert([3], [prompts[2]])
+    streams[3] = decoder.insert([3], [prompts[2]]).emitted[0]
     run(3, {0: 0, 2: 2, 3: 3})
     decoder.release(0)
     moved = decoder.resize(2)
@@ -116,7 +116,7 @@ def test_a_stored_state_is_reused_only_at_its_length(pair):
     rng = np.random.default_rng(5)
     decoder = dspark_fn.Decoder(params, 1, width=None)
     first = random_prompt(rng, 20, vocab)
-    tokens = first + decoder.insert([0], [first])
+    tokens = first + decoder.insert([0], [first]).emitted[0]
     while len(tokens) < 40:
         tokens += decoder.step().emitted[0]
     committed = int(decoder.committed[0])
@@ -130,7 +130,7 @@ def test_a_stored_state_is_reused_only_at_its_length(pair):
     assert prefix is not None and prefix.length.tolist() == [committed]
 
     fresh = dspark_fn.Decoder(params, 1, width=None)
-    resumed = fresh.insert([0], [follow_up], prefix=prefix)
+    resumed = fresh.insert([0], [follow_up], prefix=prefix).emitted[0]
     while len(resumed) < 30:
         resumed += fresh.step().emitted[0]
     assert resumed == mlx_lm_greedy(model, follow_up, len(resumed))

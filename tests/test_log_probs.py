@@ -69,12 +69,14 @@ def test_scores_equal_mlx_lm_whatever_the_round_accepted(pair, kind):
     scores = [(float(first.log_probs[0]), list(zip(first.top_ids[0].tolist(), first.top_log_probs[0].tolist())))]
     for round_index in range(8):
         wanted = PROPOSALS[kind](truth[len(emitted) : len(emitted) + width - 1], round_index, CONFIG["vocab_size"])
-        proposal = Proposal(mx.array([wanted], mx.int32), None, mx.zeros((1, width - 1)), None, None, None)
+        proposal = Proposal(tokens=mx.array([wanted], mx.int32), confidence_logits=mx.zeros((1, width - 1)),
+                            log_probs=None)
         cache, result = dspark_fn.verify(params, cache, anchor, proposal, width, top_log_probs=TOP)
         count = int(result.count[0])
         emitted += result.emitted[0, :count].tolist()
-        scores += [(float(result.log_probs[0, i]), list(zip(result.top_ids[0, i].tolist(),
-                                                             result.top_log_probs[0, i].tolist())))
+        scored = result.scores
+        scores += [(float(scored.log_probs[0, i]), list(zip(scored.top_ids[0, i].tolist(),
+                                                            scored.top_log_probs[0, i].tolist())))
                    for i in range(count)]
         anchor = result.next_tokens
     assert emitted == truth[: len(emitted)]
@@ -89,7 +91,7 @@ def test_a_round_without_drafts_scores_its_token(pair):
     cache, anchor = dspark_fn.prefill(params, dspark_fn.init_cache(params, 1, 128), [prompt])
     cache, result = dspark_fn.verify(params, cache, anchor, no_proposal(1), 1, top_log_probs=TOP)
     expected = reference(model, prompt, [int(anchor[0]), int(result.emitted[0, 0])])[1]
-    assert_fp32_close(result.log_probs[0, :1], expected[result.emitted[0, :1].tolist()], "plain step", **BUDGET)
+    assert_fp32_close(result.scores.log_probs[0, :1], expected[result.emitted[0, :1].tolist()], "plain step", **BUDGET)
 
 
 SETTINGS = [GREEDY, Sampling(0.7), Sampling(1.3, top_p=0.8)]
@@ -100,7 +102,8 @@ def decode_scored(params, prompts, settings, seeds, rounds=6):
     decoder = Decoder(params, len(prompts), width=4)
     streams, scored = [], []
     for row, (prompt, setting, seed) in enumerate(zip(prompts, settings, seeds)):
-        (token,), (score,) = decoder.insert([row], [prompt], sampling=setting, seeds=[seed], top_log_probs=TOP)
+        step = decoder.insert([row], [prompt], sampling=setting, seeds=[seed], top_log_probs=TOP)
+        ((token,),), ((score,),) = step.emitted, step.log_probs
         streams.append([token])
         scored.append([score])
     for _ in range(rounds):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import dspark_fn
-from dspark_fn.rounds import TRACE_COUNTS
+from dspark_fn.kernel import TRACE_COUNTS
 from dspark_fn.costs import cached_costs, monotone
 from dspark_fn.schedule import (
     CostCurve,
@@ -193,7 +193,7 @@ def test_limit_caps_an_always_right_proposal(pair):
     zeros = mx.zeros((1, width - 1))
     for limit in [0, 3, 5, 1, 2, 5, 4]:
         drafts = mx.array([truth[len(out) : len(out) + width - 1]])
-        proposal = dspark_fn.Proposal(drafts, None, zeros, None, None, zeros[..., None])
+        proposal = dspark_fn.Proposal(tokens=drafts, confidence_logits=zeros, log_probs=zeros[..., None])
         cache, result = dspark_fn.verify(params, cache, tokens, proposal, width, limit=mx.array([limit]))
         assert result.accepted.item() == limit
         out += result.emitted[0, : result.count.item()].tolist()

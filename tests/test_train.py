@@ -21,8 +21,12 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
+from helpers import build_target, mlx_lm_greedy, target_config
+from hybrids import HYBRID_SHAPES
 from mlx.utils import tree_flatten
+from numerics import assert_fp32_close, fp32_bound
 
+from dspark_fn import draft_block, generate
 from dspark_fn.cache import Cache
 from dspark_fn.checkpoints import load_draft, load_target, save_draft
 from dspark_fn.distill import answers as answering
@@ -32,11 +36,7 @@ from dspark_fn.distill import objective, prompts, trainer
 from dspark_fn.drafts import resolve_arch
 from dspark_fn.drafts.vocab import frequent_tokens
 from dspark_fn.rng import row_seeds
-from dspark_fn import draft_block, generate
 from dspark_fn.types import PairSpec, Params
-from helpers import build_target, mlx_lm_greedy, target_config
-from hybrids import HYBRID_SHAPES
-from numerics import assert_fp32_close, fp32_bound
 
 PROMPTS, NEW_TOKENS, HELD_OUT, SHARD_ROWS = 24, 40, 4, 8
 # fp32 budget (tests/numerics.py): the 6 target layers and the draft layer;
@@ -71,7 +71,8 @@ def setup(tmp_path_factory):
     rng = np.random.default_rng(0)
     prompt_ids = [rng.integers(0, 120, size=int(rng.integers(3, 10))).tolist() for _ in range(PROMPTS + HELD_OUT)]
     pairs = [("test", p) for p in prompt_ids[:PROMPTS]]
-    answers = answering.answer_prompts(params, pairs, root / "answers.jsonl", 10**9, NEW_TOKENS, batch_size=3)
+    answers = answering.answer_prompts(params, pairs, root / "answers.jsonl", target_tokens=10**9,
+                                       max_new_tokens=NEW_TOKENS, batch_size=3)
     index = shards.build_shards(adapter, target_spec, target_params, spec.target_layer_ids, answers, root / "features",
                                 rows=SHARD_ROWS)
     corpus = shards.load_shard(root / "features", index["shards"][0])
@@ -120,16 +121,32 @@ def test_answers_are_the_targets_greedy_continuations(setup):
         assert answer.answer == mlx_lm_greedy(setup["model"], answer.prompt, NEW_TOKENS)
 
 
+def test_answers_end_at_a_stop_token_kept_or_at_their_budget(setup, tmp_path):
+    """With stop tokens each answer is the target's greedy continuation cut
+    after its first stop token (kept), else at the budget: the rule rows of
+    the decoder own, which ``generate`` and the server read too."""
+    params, pairs, model = setup["params"], setup["pairs"][:9], setup["model"]
+    truths = [mlx_lm_greedy(model, prompt, NEW_TOKENS) for _, prompt in pairs]
+    stops = {truths[0][3], truths[1][5]}  # tokens two answers write early
+    answers = answering.answer_prompts(params, pairs, tmp_path / "answers.jsonl", target_tokens=10**9,
+                                       max_new_tokens=NEW_TOKENS, stop_tokens=stops, batch_size=3)
+    by_prompt = {tuple(a.prompt): a.answer for a in answers}
+    cut = [next((t[: i + 1] for i, token in enumerate(t) if token in stops), t) for t in truths]
+    assert [by_prompt[tuple(prompt)] for _, prompt in pairs] == cut
+    assert sum(len(c) < NEW_TOKENS for c in cut) >= 2
+
+
 def test_answering_resumes_after_an_interruption_and_extends(setup, tmp_path):
     """Stopped after some answers, with a torn last line, then run again: the
     file ends as a straight run's; a larger token target extends it."""
     params, pairs = setup["params"], setup["pairs"]
     path = tmp_path / "answers.jsonl"
-    answering.answer_prompts(params, pairs, path, 5 * NEW_TOKENS, NEW_TOKENS, batch_size=3)
+    answering.answer_prompts(params, pairs, path, target_tokens=5 * NEW_TOKENS, max_new_tokens=NEW_TOKENS, batch_size=3)
     partial = path.read_text().splitlines()
     assert NEW_TOKENS * 5 <= sum(len(json.loads(line)["answer"]) for line in partial) < NEW_TOKENS * 12
     path.write_text("\n".join(partial) + '\n{"source": "test", "prompt": [1, 2')  # torn by Ctrl-C
-    resumed = answering.answer_prompts(params, pairs, path, 10**9, NEW_TOKENS, batch_size=3)
+    resumed = answering.answer_prompts(params, pairs, path, target_tokens=10**9, max_new_tokens=NEW_TOKENS,
+                                       batch_size=3)
     assert sorted(map(tuple, (a.prompt for a in resumed))) == sorted(map(tuple, (p for _, p in pairs)))
     by_prompt = {tuple(a.prompt): a.answer for a in setup["answers"]}
     assert all(a.answer == by_prompt[tuple(a.prompt)] for a in resumed)
@@ -143,7 +160,7 @@ def test_answering_completes_the_prompts_prefix_whatever_else_the_file_holds(set
     path = tmp_path / "answers.jsonl"
     path.write_text("".join(json.dumps(a._asdict()) + "\n" for a in setup["answers"][12:18]))
     target = 5 * NEW_TOKENS
-    answering.answer_prompts(params, pairs, path, target, NEW_TOKENS, batch_size=3)
+    answering.answer_prompts(params, pairs, path, target_tokens=target, max_new_tokens=NEW_TOKENS, batch_size=3)
     chosen = answering.prefix_answers(pairs, answering.read_answers(path), target)
     assert [a.prompt for a in chosen] == [p for _, p in pairs[: len(chosen)]]
     assert sum(len(a.answer) for a in chosen) >= target

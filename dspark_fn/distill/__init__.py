@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Callable
 
 import mlx.core as mx
-import numpy as np
 
 from ..checkpoints import check_draft_fits, load_draft
 from ..drafts import resolve_arch
@@ -134,8 +133,9 @@ def distill(target_source, out_dir, setup: DistillConfig, config: TrainConfig,
                 bar.update(tokens - bar.n)
                 bar.set_postfix(answers=count)
 
-        answer_prompts(params, prompts, out / ANSWERS_FILE, setup.answer_tokens, setup.max_new_tokens, stops,
-                       setup.answer_batch, on_answer)
+        answer_prompts(params, prompts, out / ANSWERS_FILE, target_tokens=setup.answer_tokens,
+                       max_new_tokens=setup.max_new_tokens, stop_tokens=stops, batch_size=setup.answer_batch,
+                       on_answer=on_answer)
         if bar is not None:
             bar.close()
     answers = prefix_answers(prompts, read_answers(out / ANSWERS_FILE), setup.answer_tokens)

@@ -82,6 +82,7 @@ def answer_prompts(
     params: Params,
     prompts: Sequence[tuple[str, list]],
     path,
+    *,
     target_tokens: int,
     max_new_tokens: int,
     stop_tokens=(),
@@ -100,7 +101,6 @@ def answer_prompts(
     answered = {tuple(a.prompt): len(a.answer) for a in done}
     tokens = sum(len(a.answer) for a in done)
     on_answer(len(done), tokens)
-    stop_tokens = set(stop_tokens)
     decoder = Decoder(params, batch_size, width=1)
     rows: dict = {}  # row -> (source, prompt, answer so far)
     position, covered = 0, 0  # the next prompt to start; answer tokens of the prompts before it
@@ -111,17 +111,21 @@ def answer_prompts(
             covered += answered[tuple(prompts[position][1])]
             position += 1
 
-    def finish(row: int) -> None:
+    def record(step) -> None:
+        """Each row's new tokens; a row the decoder ended is an answer, on disk before the next step."""
         nonlocal tokens, covered
-        source, prompt, answer = rows.pop(row)
-        answer = answer[:max_new_tokens]
-        done.append(Answer(source, prompt, answer))
-        atomic.append_line(path, json.dumps(done[-1]._asdict()))
-        answered[tuple(prompt)] = len(answer)
-        tokens += len(answer)
-        covered += len(answer)
-        decoder.release(row)
-        on_answer(len(done), tokens)
+        for event in step.events():
+            source, prompt, answer = rows[event.row]
+            answer += event.emitted
+            if event.finish is None:
+                continue
+            del rows[event.row]
+            done.append(Answer(source=source, prompt=prompt, answer=answer))
+            atomic.append_line(path, json.dumps(done[-1]._asdict()))
+            answered[tuple(prompt)] = len(answer)
+            tokens += len(answer)
+            covered += len(answer)
+            on_answer(len(done), tokens)
 
     def fill() -> None:
         nonlocal position
@@ -134,24 +138,13 @@ def answer_prompts(
             batch.append((prompts[position][0], list(prompts[position][1])))
             position += 1
             skip_answered()
-        firsts = decoder.insert(free[: len(batch)], [ids for _, ids in batch])
-        for row, (source, ids), first in zip(free, batch, firsts):
-            rows[row] = (source, ids, [first])
-            if first in stop_tokens or max_new_tokens == 1:
-                finish(row)
+        for row, (source, ids) in zip(free, batch):
+            rows[row] = (source, ids, [])
+        record(decoder.insert(free[: len(batch)], [ids for _, ids in batch], max_new_tokens=max_new_tokens,
+                              stop_tokens=stop_tokens))
 
-    fill()
-    while rows:
-        step = decoder.step()
-        for row, emitted in zip(step.rows, step.emitted):
-            if row not in rows:
-                continue
-            answer = rows[row][2]
-            answer += emitted
-            stop = next((i for i, t in enumerate(answer) if t in stop_tokens), None)
-            if stop is not None:
-                del answer[stop + 1 :]
-            if stop is not None or len(answer) >= max_new_tokens:
-                finish(row)
+    while True:
         fill()
-    return done
+        if not rows:
+            return done
+        record(decoder.step())

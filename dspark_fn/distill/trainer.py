@@ -228,5 +228,6 @@ def train(
                 save_checkpoint(out_dir, settings, trainable, optimizer, finished)
             tau = evaluate(trainable | frozen) if evaluate else None
             parts = {k: v.item() for k, v in parts.items()}
-            yield Progress(finished, loss.item(), parts, rate, tau, trainable | frozen)
+            yield Progress(step=finished, loss=loss.item(), parts=parts, steps_per_second=rate, tau=tau,
+                           draft_params=trainable | frozen)
             tic, done_since = time.perf_counter(), 0

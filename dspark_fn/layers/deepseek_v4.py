@@ -54,14 +54,11 @@ def block_spec(args: dict) -> BlockSpec:
         rope_theta=float(args["rope_theta"]),
         groups=args["o_groups"],
         eps=args["rms_norm_eps"],
-        hyper=mhc.HyperConfig(args["hc_mult"], args["hc_sinkhorn_iters"], args["hc_eps"], args["rms_norm_eps"]),
-        moe=MoEConfig(
-            top_k=args["num_experts_per_tok"],
-            scoring=args["scoring_func"],
-            norm_topk_prob=args["norm_topk_prob"],
-            routed_scaling=args["routed_scaling_factor"],
-            swiglu_limit=args["swiglu_limit"],
-        ),
+        hyper=mhc.HyperConfig(streams=args["hc_mult"], sinkhorn_iters=args["hc_sinkhorn_iters"], eps=args["hc_eps"],
+                              norm_eps=args["rms_norm_eps"]),
+        moe=MoEConfig(top_k=args["num_experts_per_tok"], scoring=args["scoring_func"],
+                      norm_topk_prob=args["norm_topk_prob"], routed_scaling=args["routed_scaling_factor"],
+                      swiglu_limit=args["swiglu_limit"]),
     )
 
 

@@ -131,9 +131,10 @@ class Api:
         if seed is not None:
             seed = number(body, "seed", None, int)
         options = body.get("stream_options") or {}
-        return Job(kind, prompt, max_tokens, sampling, seed, tuple(stop), number(body, "n", 1, int, low=1, high=8),
-                   bool(body.get("stream", False)), bool(options.get("include_usage", False)),
-                   self.top_log_probs(body, kind), tools)
+        return Job(kind=kind, prompt=prompt, max_tokens=max_tokens, sampling=sampling, seed=seed, stop=tuple(stop),
+                   n=number(body, "n", 1, int, low=1, high=8), stream=bool(body.get("stream", False)),
+                   include_usage=bool(options.get("include_usage", False)),
+                   top_log_probs=self.top_log_probs(body, kind), tools=tools)
 
     def top_log_probs(self, body: dict, kind: str) -> int | None:
         """Chat: ``logprobs`` (true/false) and ``top_logprobs`` (0-20); completions: ``logprobs`` (0-20)."""
@@ -172,7 +173,8 @@ class Api:
     def submit(self, job: Job) -> list[Request]:
         seeds = [job.seed + i if job.seed is not None else secrets.randbits(31) for i in range(job.n)]
         return [
-            self.engine.submit(Request(job.prompt, job.max_tokens, job.sampling, seed, self.stop_ids, job.top_log_probs))
+            self.engine.submit(Request(prompt=job.prompt, max_tokens=job.max_tokens, sampling=job.sampling, seed=seed,
+                                       stop_tokens=self.stop_ids, top_log_probs=job.top_log_probs))
             for seed in seeds
         ]
 

@@ -25,7 +25,7 @@ same state, so all take the same decisions and run the same kernels;
 ``follow`` is the loop of a rank without clients.
 
 The thread is supervised: an exception inside it (in a round, a prefill)
-ends each request in the batch with an ``("error", message)`` event,
+ends each request in the batch with an ``Update("error", message)``,
 ``failure`` names it until the engine runs again, and the engine starts
 again with an empty batch (and an empty prompt cache: nothing built before
 the failure is trusted); waiting requests are then served. An engine that
@@ -45,9 +45,9 @@ from typing import NamedTuple
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map
 
+from ..buffers import capacity_for
 from ..cache import Cache, is_recurrent, map_slots
 from ..driver import Decoder
-from ..rounds import capacity_for
 from ..sampling import GREEDY, Sampling
 from ..stats import Tally
 from ..types import Params
@@ -100,8 +100,10 @@ class Request:
 
     @classmethod
     def from_settings(cls, settings: dict) -> "Request":
-        return cls(settings["prompt"], settings["max_tokens"], Sampling(*settings["sampling"]), settings["seed"],
-                   frozenset(settings["stop_tokens"]), settings["top_log_probs"])
+        temperature, top_k, top_p = settings["sampling"]
+        return cls(prompt=settings["prompt"], max_tokens=settings["max_tokens"],
+                   sampling=Sampling(temperature=temperature, top_k=top_k, top_p=top_p), seed=settings["seed"],
+                   stop_tokens=frozenset(settings["stop_tokens"]), top_log_probs=settings["top_log_probs"])
 
 
 class EngineFailure(RuntimeError):
@@ -134,7 +136,7 @@ def shrink(cache: Cache, capacity: int) -> Cache:
     slice of the running batch's buffers would keep all of them alive (a
     stored prefix keeps only what it holds)."""
     cut = lambda a: a[:, :, :capacity]  # noqa: E731
-    cache = Cache(map_slots(cut, cache.target), map_slots(cut, cache.draft), cache.length, cache.seeds)
+    cache = cache._replace(target=map_slots(cut, cache.target), draft=map_slots(cut, cache.draft))
     return tree_map(mx.contiguous, cache)
 
 
@@ -386,51 +388,44 @@ class Engine:
             self.rows[row] = (request, list(request.prompt))  # in the batch from here: a failure ends it too
             prefix = self.prompt_cache.lookup(request.prompt)
             request.cached_tokens = int(prefix.length.item()) if prefix is not None else 0
-            first = self.decoder.insert([row], [request.prompt], sampling=request.sampling, seeds=[request.seed],
-                                        prefix=prefix, top_log_probs=request.top_log_probs)
-            (token,), scores = first if request.top_log_probs is not None else (first, None)
-            self.rows[row][1].append(token)
-            self._deliver(row, [token], scores)
+            self._deliver(self.decoder.insert(
+                [row], [request.prompt], sampling=request.sampling, seeds=[request.seed], prefix=prefix,
+                top_log_probs=request.top_log_probs, max_new_tokens=request.max_tokens,
+                stop_tokens=request.stop_tokens,
+            ))
 
     def _round(self) -> None:
         before = (self.decoder.committed.copy(), recurrent_states(self.decoder.cache))
-        step = self.decoder.step()
-        for i, row in enumerate(step.rows):
-            if row in self.rows:
-                request, tokens = self.rows[row]
-                tokens += step.emitted[i]
-                request.acceptance.add(len(step.emitted[i]), step.accepted[i], len(step.drafted[i]), step.sources[i])
-                scores = step.log_probs[i] if step.log_probs is not None else None
-                self._deliver(row, step.emitted[i], scores, before)
+        self._deliver(self.decoder.step(), before)
 
-    def _deliver(self, row: int, emitted: list, scores: list | None, before: tuple | None = None) -> None:
-        """Hand a row's new tokens (and their scores) to its request, cut at a
-        stop token or the budget; free the row when the request is finished
-        or cancelled. ``before``: the committed counts and recurrent states
-        before this round."""
-        request, tokens = self.rows[row]
-        if request.dropped:
-            return self._finish(row, "cancelled", before)
-        kept = emitted[: request.max_tokens - request.produced]
-        stop = next((i for i, t in enumerate(kept) if t in request.stop_tokens), None)
-        if stop is not None:
-            kept = kept[: stop + 1]
-        request.produced += len(kept)
-        if kept:
-            request.events.put(Update("tokens", kept, scores[: len(kept)] if scores is not None else None))
-        if stop is not None:
-            self._finish(row, "stop", before)
-        elif request.produced >= request.max_tokens:
-            self._finish(row, "length", before)
+    def _deliver(self, step, before: tuple | None = None) -> None:
+        """Hand each row's new tokens (cut by the decoder at the request's stop
+        token and budget) and their scores to its request; free the row of a
+        request that ended or was cancelled. ``before``: the committed counts
+        and recurrent states before this round."""
+        for event in step.events():
+            if event.row not in self.rows:
+                continue
+            request, tokens = self.rows[event.row]
+            if request.dropped:
+                self._finish(event.row, "cancelled", before)
+                continue
+            tokens += event.emitted
+            request.acceptance.count(event)
+            request.produced += len(event.emitted)
+            if event.emitted:
+                request.events.put(Update("tokens", event.emitted, event.log_probs))
+            if event.finish is not None:
+                self._finish(event.row, event.finish, before)
 
     def _finish(self, row: int, reason: str, before: tuple | None = None) -> None:
         request, tokens = self.rows[row]  # it leaves the batch last: a failure on the way still ends it
         committed, cache = int(self.decoder.committed[row]), self.decoder.row_cache(row)
-        seen = len(request.prompt) + request.produced
-        if cache.recurrent and committed > seen and before is not None:  # the round went past the reply
+        if cache.recurrent and committed > len(tokens) and before is not None:  # the round went past the reply
             committed = int(before[0][row])
             cache = with_states(cache, before[1], row, committed)
-        self.prompt_cache.store(tokens[:committed], cache)
+        kept = tokens[:committed]  # what the row's cache holds of the conversation the client saw
+        self.prompt_cache.store(kept, cache._replace(length=mx.array([len(kept)], mx.int32)))
         self.decoder.release(row)
         del self.rows[row]
         request.events.put(Update("done", reason))

@@ -15,7 +15,6 @@ again (``usage.input_tokens_details.cached_tokens``). The reply is a
 
 import json
 import time
-import uuid
 from collections import OrderedDict
 
 from .errors import ApiError

@@ -7,6 +7,13 @@ import mlx.core as mx
 import numpy as np
 
 
+def model_fields(config: dict, args: dict) -> dict:
+    """The fields every target spec starts with, from its config and the model
+    arguments mlx-lm reads from it."""
+    return dict(model_type=config["model_type"], vocab_size=args["vocab_size"], hidden_size=args["hidden_size"],
+                num_layers=args["num_hidden_layers"])
+
+
 def pipeline_stages(count: int, size: int) -> list[range]:
     """The layers each of ``size`` ranks runs under a pipeline split: contiguous, as even as they go."""
     if count < size:

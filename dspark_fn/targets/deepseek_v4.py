@@ -43,7 +43,7 @@ from ..layers.deepseek_v4 import (
     query_residual,
     rope_inv_freq,
 )
-from .base import decoder_layers, output_head
+from .base import decoder_layers, model_fields, output_head
 
 
 @dataclass(frozen=True)
@@ -70,10 +70,7 @@ def spec_from_config(config: dict) -> DeepseekV4Spec:
     if args["vision_n_layers"]:
         raise ValueError("unsupported deepseek_v4 target: vision layers (vision_n_layers > 0)")
     return DeepseekV4Spec(
-        model_type=config["model_type"],
-        vocab_size=args["vocab_size"],
-        hidden_size=args["hidden_size"],
-        num_layers=args["num_hidden_layers"],
+        **model_fields(config, args),
         block=block_spec(args),
         window=args["sliding_window"],
         num_hash_layers=args["num_hash_layers"],

@@ -30,7 +30,7 @@ from ..layers.gemma4 import (
     scaled_embedding,
 )
 from ..sharding import Ranks, input_columns, output_rows, vocabulary_rows
-from .base import decoder_layers, output_head
+from .base import decoder_layers, model_fields, output_head
 
 
 @dataclass(frozen=True)
@@ -70,10 +70,7 @@ def spec_from_config(config: dict) -> Gemma4Spec:
     layer_types = list(args["layer_types"])
     num_kv_layers = args["num_hidden_layers"] - args["num_kv_shared_layers"]
     return Gemma4Spec(
-        model_type=config["model_type"],
-        vocab_size=args["vocab_size"],
-        hidden_size=args["hidden_size"],
-        num_layers=args["num_hidden_layers"],
+        **model_fields(config, args),
         num_heads=args["num_attention_heads"],
         eps=args["rms_norm_eps"],
         activation=config.get("hidden_activation", "gelu_pytorch_tanh"),

@@ -34,7 +34,7 @@ from ..layers.gated_delta import (
     gated_delta_net,
 )
 from ..layers.moe import routed_experts
-from .base import decoder_layers, output_head, stopping_at_prompt_end
+from .base import decoder_layers, model_fields, output_head, stopping_at_prompt_end
 
 # RoPE kinds of the attention layers' rotary part; a text-only mrope (every
 # section at the same position) is plain RoPE, as mlx-lm runs it.
@@ -143,10 +143,7 @@ def spec_from_config(config: dict) -> Qwen3_5Spec:
         raise ValueError(f"unsupported {config.get('model_type')} target: " + "; ".join(problems))
     linear, sparse = layer_kinds(config, args)
     return Qwen3_5Spec(
-        model_type=config["model_type"],
-        vocab_size=args["vocab_size"],
-        hidden_size=args["hidden_size"],
-        num_layers=args["num_hidden_layers"],
+        **model_fields(config, args),
         eps=args["rms_norm_eps"],
         tied=args["tie_word_embeddings"],
         linear=linear,

@@ -1,0 +1,128 @@
+"""The cache's life outside a round: allocated empty, grown in capacity
+buckets, rows placed, gathered and freed between rounds, and every write a
+launch will make checked on the host first.
+
+Attention reads whole buffers, so a generation starts in the smallest
+bucket and grows as its context does: a round costs what its live context
+costs, and each bucket compiles its kernels once.
+"""
+
+import math
+from typing import Sequence
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_map
+
+from .cache import Cache, map_slots
+from .rng import row_seeds
+from .targets import activation_dtype
+from .types import Params
+
+CAPACITY_BUCKET = 256
+
+
+def init_cache(params: Params, batch_size: int, capacity: int, seed: int = 0) -> Cache:
+    """An empty cache; row b draws with the seed ``rng.row_seeds(seed, B)[b]``."""
+    spec = params.spec
+    return Cache(
+        target=spec.target_adapter.init_kv(spec.target, batch_size, capacity, activation_dtype(params.target)),
+        draft=spec.draft_arch.init_context(spec.draft, batch_size, capacity),
+        length=mx.zeros((batch_size,), mx.int32),
+        seeds=row_seeds(seed, batch_size),
+    )
+
+
+def capacity_for(slots: int) -> int:
+    """The capacity bucket holding ``slots`` positions: a multiple of a quarter
+    of the power of two below it (and of ``CAPACITY_BUCKET``), so buckets waste
+    at most a quarter of a buffer and a long generation visits few of them."""
+    step = max(CAPACITY_BUCKET, (1 << (max(slots, 1).bit_length() - 1)) // 4)
+    return math.ceil(slots / step) * step
+
+
+def grow_cache(params: Params, cache: Cache, capacity: int) -> Cache:
+    """The same state in buffers of ``capacity`` slots (never smaller)."""
+    if capacity <= cache.capacity:
+        return cache
+    fresh = init_cache(params, cache.batch_size, capacity)
+
+    def keep(state: mx.array, larger: mx.array) -> mx.array:
+        larger[:, :, : state.shape[2]] = state
+        return larger
+
+    return Cache(
+        target=map_slots(keep, cache.target, fresh.target),
+        draft=map_slots(keep, cache.draft, fresh.draft),
+        length=cache.length,
+        seeds=cache.seeds,
+    )
+
+
+def place_rows(cache: Cache, rows: Sequence[int], part: Cache) -> Cache:
+    """``cache`` with its rows ``rows`` replaced by the rows of ``part`` (same
+    capacity; every buffer is batch-major)."""
+    index = mx.array(list(rows))
+
+    def put(batch: mx.array, new: mx.array) -> mx.array:
+        batch[index] = new
+        return batch
+
+    return tree_map(put, cache, part)
+
+
+def take_rows(tree, rows: Sequence[int], batch: int):
+    """Rows ``rows`` of every (batch-major) array of ``tree``, in that order,
+    then zero rows up to ``batch``: a batch's state moved into another size.
+    Zero rows are free rows (length 0; an insert overwrites them whole)."""
+    index = mx.array(list(rows), mx.int32)
+
+    def take(array: mx.array) -> mx.array:
+        padding = mx.zeros((batch - index.size, *array.shape[1:]), array.dtype)
+        return mx.concatenate([array[index], padding]) if index.size else padding
+
+    return tree_map(take, tree)
+
+
+def free_row(cache: Cache, row: int) -> Cache:
+    """``cache`` with ``row`` holding nothing: its slots are reused."""
+    return cache._replace(length=mx.where(mx.arange(cache.batch_size) == row, 0, cache.length))
+
+
+def check_free_slots(cache: Cache, width: int) -> None:
+    """A verify writes ``width`` rows at every row's length: refuse, before
+    anything runs, a cache that lacks the room (reads the lengths: one sync)."""
+    free = cache.capacity - np.array(cache.length)
+    short = np.flatnonzero(free < width)
+    if short.size:
+        raise ValueError(
+            f"cache row(s) {short.tolist()} have {free[short].tolist()} free slot(s) but a verify of width "
+            f"{width} writes {width}; grow the cache first (dspark_fn.grow_cache(params, cache, capacity)) "
+            f"or allocate a larger one"
+        )
+
+
+def check_writes(starts, count: int, capacity: int, launch: str, rows: Sequence[int] | None = None) -> None:
+    """Refuse, on the host and before ``launch`` runs, a write of ``count``
+    slots at ``starts[i]`` (cache row ``rows[i]``, default ``i``) that ends
+    past ``capacity``: a write out of bounds corrupts memory instead of
+    failing, so an internal inconsistency must stop here."""
+    starts = np.asarray(starts)
+    over = np.flatnonzero(starts + count > capacity)
+    if over.size:
+        i = int(over[0])
+        row = i if rows is None else rows[i]
+        raise ValueError(
+            f"{launch}: cache row {row} at length {int(starts[i])} would write {count} slots past the capacity "
+            f"{capacity}"
+        )
+
+
+def check_rows(rows: Sequence[int], count: int, batch: int) -> None:
+    """``rows`` must name ``count`` distinct rows of a batch of ``batch``
+    (a scatter to a row outside the buffers writes out of bounds)."""
+    if len(rows) != count or len(set(rows)) != len(rows):
+        raise ValueError(f"{count} prompts need {count} distinct rows, got {list(rows)}")
+    outside = [row for row in rows if not 0 <= row < batch]
+    if outside:
+        raise ValueError(f"row {outside[0]} is not a row of the batch of {batch}")

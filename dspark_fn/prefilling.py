@@ -1,0 +1,173 @@
+"""Prompts into the cache: ``prefill`` runs them through the target in fixed
+chunks (and extends the draft's context), ``insert`` prefills new prompts
+into free rows of a running batch.
+
+Chunks hold ``LONG_PREFILL_CHUNK`` tokens while that many remain, then
+``PREFILL_CHUNK``; a prompt pads to a multiple of the smaller one. One chunk
+kernel serves every prompt length (per capacity bucket), and each row
+continues from its own committed length, so a cached conversation prefix
+prefills only the rest.
+"""
+
+import math
+from functools import lru_cache
+from typing import Sequence
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_map
+
+from . import rng
+from .buffers import capacity_for, check_rows, check_writes, grow_cache, init_cache, place_rows
+from .cache import Cache
+from .kernel import compiled
+from .rng import row_seeds, uniforms
+from .sampling import GREEDY, batch_sampling, choose, token_log_probs
+from .types import PairSpec, Params, TokenLogProbs
+
+PREFILL_CHUNK = 64  # the smallest chunk: a prompt pads to a multiple of it
+LONG_PREFILL_CHUNK = 256  # long stretches of a prompt go in these (bigger matmuls run faster)
+
+
+@lru_cache(maxsize=None)
+def _chunk_kernel(spec: PairSpec):
+    def chunk(target, draft, cache: Cache, tokens, start, first, last_row, last_logits):
+        """One chunk of every row's prompt at positions ``start[b] + i``; keeps
+        the target's logits at each row's last prompt token once a chunk holds it."""
+        adapter = spec.target_adapter
+        if adapter.prompt_forward is None:
+            hidden, features, target_kv = adapter.forward(spec.target, target, cache.target, tokens, start, spec.taps)
+        else:
+            hidden, features, target_kv = adapter.prompt_forward(
+                spec.target, target, cache.target, tokens, start, spec.taps, first, last_row + 1
+            )
+        draft_state = spec.draft_arch.extend_context(spec.draft, draft, cache.draft, features, start)
+        row = last_row - start
+        in_chunk = (row >= 0) & (row < tokens.shape[1])
+        picked = mx.take_along_axis(hidden, mx.clip(row, 0, tokens.shape[1] - 1)[:, None, None], axis=1)
+        logits = adapter.logits(spec.target, target, picked[:, 0])
+        return cache._replace(target=target_kv, draft=draft_state), mx.where(in_chunk[:, None], logits, last_logits)
+
+    return compiled("prefill", chunk)
+
+
+def as_rows(prompt) -> list[list[int]]:
+    if isinstance(prompt, mx.array):
+        prompt = prompt.tolist()
+    rows = [list(prompt)] if prompt and isinstance(prompt[0], int) else [list(r) for r in prompt]
+    if not rows or any(len(r) == 0 for r in rows):
+        raise ValueError("prompt is empty: give at least one token per row")
+    return rows
+
+
+def _distinct_rows(rows: list[list[int]], starts: np.ndarray) -> tuple[list[int], list[int]]:
+    """Rows that run: the first of each group of fresh rows (nothing committed)
+    with equal prompts, and every row with a committed prefix of its own; and
+    for each row the index of the one that runs for it."""
+    first_seen: dict = {}
+    keys = [tuple(r) if start == 0 else ("prefix", i) for i, (r, start) in enumerate(zip(rows, starts))]
+    source = [first_seen.setdefault(key, len(first_seen)) for key in keys]
+    return [source.index(i) for i in range(len(first_seen))], source
+
+
+def chunk_spans(length: int, sizes: tuple) -> list[tuple[int, int]]:
+    """``(begin, size)`` of each chunk covering ``length`` (a multiple of the
+    smallest size): the largest size that still fits first."""
+    spans, begin = [], 0
+    while begin < length:
+        size = next(size for size in sizes if begin + size <= length)
+        spans.append((begin, size))
+        begin += size
+    return spans
+
+
+def prefill_slots(prompt_length: int) -> int:
+    """Slots a prefill writes: the prompt padded to whole chunks."""
+    return math.ceil(prompt_length / PREFILL_CHUNK) * PREFILL_CHUNK
+
+
+def prefill(params: Params, cache: Cache, prompt, *, sampling=GREEDY, chunk_size: int | None = None,
+            grow: bool = False, top_log_probs: int | None = None):
+    """Run the prompt(s) through the target in fixed chunks and extend the draft context.
+
+    ``prompt`` is a token list, a list of token lists (one per batch row, any
+    lengths) or an int array. Each row continues from its committed length
+    (0 in a fresh cache; a cached conversation prefix otherwise). Returns
+    ``(cache, tokens)``: the first generated token of each row (argmax, or a
+    draw under the row's ``sampling``), the first anchor. Rows that start
+    together with the same tokens (n samples of one prompt) are run once and
+    their cache rows copied. ``chunk_size`` makes every chunk that size,
+    never more than the capacity. With ``grow`` the cache grows in
+    ``capacity_for`` buckets as the chunks advance, so each chunk attends
+    over the bucket its own end needs, not the whole prompt's (a long
+    prompt compiles one chunk kernel per bucket it passes); without, the
+    prompt must fit the cache. With ``top_log_probs`` (K) it returns
+    ``(cache, tokens, TokenLogProbs)``: the first tokens' log-probabilities
+    and the target's K most likely first tokens.
+    """
+    rows = as_rows(prompt)
+    if len(rows) != cache.batch_size:
+        raise ValueError(f"{len(rows)} prompts for a cache of batch size {cache.batch_size}")
+    vocab = params.spec.target.vocab_size
+    if any(not 0 <= t < vocab for r in rows for t in r):
+        raise ValueError(f"prompt token ids must be in 0..{vocab - 1}")
+    sizes = (chunk_size,) if chunk_size else (LONG_PREFILL_CHUNK, PREFILL_CHUNK)
+    sizes = tuple(min(size, cache.capacity) for size in sizes)
+    starts = np.array(cache.length)
+    padded_length = math.ceil(max(len(r) for r in rows) / sizes[-1]) * sizes[-1]
+    if not grow and (starts + padded_length).max() > cache.capacity:
+        longest = int((starts + np.array([len(r) for r in rows])).max())
+        raise ValueError(
+            f"prompt of {longest} tokens does not fit the cache capacity {cache.capacity} "
+            f"(prefill pads to {int(starts.max()) + padded_length}); allocate a larger cache or shorten the prompt"
+        )
+    running, source = _distinct_rows(rows, starts)
+    state = cache
+    if len(running) < len(rows):  # every cache array is batch-major
+        state = tree_map(lambda a: a[mx.array(running)], state)
+    offsets = mx.array(starts[running], mx.int32)
+    padded = mx.array([rows[i] + [0] * (padded_length - len(rows[i])) for i in running], mx.int32)
+    last_rows = offsets + mx.array([len(rows[i]) - 1 for i in running], mx.int32)
+    kernel = _chunk_kernel(params.spec)
+    last_logits = mx.zeros((len(running), vocab), mx.float32)
+    for begin, size in chunk_spans(padded_length, sizes):
+        if grow:
+            state = grow_cache(params, state, capacity_for(int(starts.max()) + begin + size))
+        check_writes(starts[running] + begin, size, state.capacity, "prefill chunk", rows=running)
+        state, last_logits = kernel(params.target, params.draft, state, padded[:, begin : begin + size],
+                                    offsets + begin, offsets, last_rows, last_logits)
+    if len(running) < len(rows):
+        index = mx.array(source)
+        state, last_logits = tree_map(lambda a: a[index], (state, last_logits))
+    lengths = mx.array(starts + np.array([len(r) for r in rows]), mx.int32)
+    settings = batch_sampling(sampling, len(rows))
+    draws = uniforms(cache.seeds, lengths, rng.PREFILL, (vocab,)) if settings.mode.sampled else None
+    state, tokens = state._replace(length=lengths, seeds=cache.seeds), choose(last_logits, *settings, draws)
+    if top_log_probs is None:
+        return state, tokens
+    return state, tokens, TokenLogProbs(*token_log_probs(last_logits, tokens, *settings, top_log_probs))
+
+
+def insert(params: Params, cache: Cache, rows: Sequence[int], prompts, *, sampling=GREEDY, seeds: Sequence[int] = (),
+           prefix: Cache | None = None, grow: bool = False, top_log_probs: int | None = None):
+    """Prefill new prompts into rows ``rows`` of a running batch, together in
+    one batch of their own; the other rows are untouched. Row ``rows[i]``
+    draws with seed ``seeds[i]`` (default 0). ``prefix`` (a one-row cache
+    holding the first ``prefix.length`` tokens of a single prompt, e.g. a
+    cached conversation) is reused: only the rest runs. With ``grow`` the
+    new rows prefill in a cache of their own size (see ``prefill``) and the
+    batch grows if they need more room; without, they must fit the batch's
+    capacity. Returns ``(cache, first tokens)`` (and their ``TokenLogProbs``
+    with ``top_log_probs``, as ``prefill``)."""
+    prompts = [list(p) for p in prompts]
+    check_rows(list(rows), len(prompts), cache.batch_size)
+    seeds = list(seeds) or [0] * len(rows)
+    part = prefix if prefix is not None else init_cache(params, len(rows), capacity_for(1) if grow else cache.capacity)
+    if not grow:
+        part = grow_cache(params, part, cache.capacity)
+    part = part._replace(seeds=mx.concatenate([row_seeds(seed, 1) for seed in seeds]))
+    starts = np.array(part.length)
+    part, tokens, *scored = prefill(params, part, [p[start:] for p, start in zip(prompts, starts)], sampling=sampling,
+                                    grow=grow, top_log_probs=top_log_probs)
+    capacity = max(cache.capacity, part.capacity)
+    return (place_rows(grow_cache(params, cache, capacity), rows, grow_cache(params, part, capacity)), tokens, *scored)
