@@ -4,6 +4,9 @@ three stages of ``dspark train`` that take the hours:
 - answers: answer tokens per second of the target answering training
   prompts through the library's continuous batching, at several batch sizes
   (the same prompts each time);
+- decode: where answering's time goes at each batch size: prefill tokens/s
+  and one plain decode step (a token a row) beside mlx-lm's own batched
+  decode step over the same prompts;
 - features: sequence tokens per second of the teacher-forced feature pass
   (``distill.corpus.build_shard``) beside mlx-lm's own forward over the same
   padded batches, with its output head at every position and without it;
@@ -15,6 +18,7 @@ three stages of ``dspark train`` that take the hours:
 
     python bench/distill_rates.py                  # every section
     SECTIONS=train ANCHORS=16,64 python bench/distill_rates.py
+    SECTIONS=decode BATCHES=16,32,64 python bench/distill_rates.py
     BATCHES=16,32,64 ANSWER_PROMPTS=96 ANSWER_TOKENS=96 SECTIONS=answers python bench/distill_rates.py
 
 Sequences come from the committed corpus (``corpus/*.jsonl.gz``); times are
@@ -44,10 +48,12 @@ from dspark_fn.targets import resolve_target
 from dspark_fn.types import PairSpec, Params
 
 CORPUS = Path(__file__).resolve().parents[1] / "corpus" / "smollm2-135m-answers.jsonl.gz"
-SECTIONS = os.environ.get("SECTIONS", "answers,features,train").split(",")
+SECTIONS = os.environ.get("SECTIONS", "answers,decode,features,train").split(",")
 BATCHES = [int(b) for b in os.environ.get("BATCHES", "16,32,64").split(",")]
 ANSWER_PROMPTS = int(os.environ.get("ANSWER_PROMPTS", "96"))
 ANSWER_TOKENS = int(os.environ.get("ANSWER_TOKENS", "96"))
+DECODE_PROMPT = int(os.environ.get("DECODE_PROMPT", "128"))  # prompt tokens a row in the decode section
+DECODE_STEPS = int(os.environ.get("DECODE_STEPS", "20"))
 FEATURE_ROWS = int(os.environ.get("FEATURE_ROWS", "64"))
 ANCHORS = [int(a) for a in os.environ.get("ANCHORS", "16,64").split(",")]
 SEQUENCES = int(os.environ.get("SEQUENCES", "8"))
@@ -78,15 +84,20 @@ def target():
     return config, adapter, adapter.spec_from_config(config), params
 
 
+def answering_pair(config, adapter, spec, params) -> Params:
+    """The target with a fresh one-layer draft, as ``dspark train`` answers (plain target steps)."""
+    draft_config = draft_config_for(config, 1)
+    arch = resolve_arch(draft_config)
+    draft_spec = arch.spec_from_config(draft_config)
+    return Params(PairSpec(adapter, spec, arch, draft_spec), params, initial_draft(arch, draft_spec, spec, params))
+
+
 def answers_section(config, adapter, spec, params) -> None:
     from dspark_fn.chat import stop_tokens
     from dspark_fn.catalog import load_target_named as load
 
     _, _, tokenizer = load(None)
-    draft_config = draft_config_for(config, 1)
-    arch = resolve_arch(draft_config)
-    draft_spec = arch.spec_from_config(draft_config)
-    pair = Params(PairSpec(adapter, spec, arch, draft_spec), params, initial_draft(arch, draft_spec, spec, params))
+    pair = answering_pair(config, adapter, spec, params)
     prompts = [("corpus", a.prompt) for a in corpus_answers(ANSWER_PROMPTS)]
     print(f"\nanswers: {len(prompts)} prompts, up to {ANSWER_TOKENS} tokens each")
     print(f"{'batch':>6} {'answer tokens':>14} {'seconds':>8} {'tokens/s':>9}")
@@ -102,6 +113,39 @@ def answers_section(config, adapter, spec, params) -> None:
         seconds = time.perf_counter() - start
         tokens = sum(len(a.answer) for a in done)
         print(f"{batch:>6} {tokens:>14} {seconds:>8.1f} {tokens / seconds:>9.1f}")
+
+
+def decode_section(config, adapter, spec, params) -> None:
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from dspark_fn.checkpoints import mlx_lm_model
+    from dspark_fn.driver import Decoder
+
+    pair = answering_pair(config, adapter, spec, params)
+    model = mlx_lm_model(config, params)
+    texts = [a.prompt + a.answer for a in corpus_answers(max(BATCHES) * 2)]
+    prompts = [text[:DECODE_PROMPT] for text in texts if len(text) >= DECODE_PROMPT]
+    print(f"\ndecode: prompts of {DECODE_PROMPT} corpus tokens, then {DECODE_STEPS} steps of a token a row")
+    print(f"{'batch':>6} {'prefill tokens/s':>17} {'decode tokens/s':>16} {'mlx-lm decode tokens/s':>23}")
+    for batch in BATCHES:
+        rows = prompts[:batch]
+        decoder = Decoder(pair, batch, width=1)
+        decoder.insert(list(range(batch)), rows, max_new_tokens=10**6)  # compiles this batch's prefill
+        decoder = Decoder(pair, batch, width=1)
+        start = time.perf_counter()
+        decoder.insert(list(range(batch)), rows, max_new_tokens=10**6)
+        prefill = batch * DECODE_PROMPT / (time.perf_counter() - start)
+        ours = median_seconds(decoder.step, DECODE_STEPS)
+        cache = make_prompt_cache(model)
+        mx.eval(model(mx.array(rows), cache=cache))
+        last = [mx.zeros((batch, 1), mx.int32)]
+
+        def mlx_lm_step():
+            last[0] = mx.argmax(model(last[0], cache=cache)[:, -1:], axis=-1)
+            mx.eval(last[0])
+
+        theirs = median_seconds(mlx_lm_step, DECODE_STEPS)
+        print(f"{batch:>6} {prefill:>17.1f} {batch / ours:>16.1f} {batch / theirs:>23.1f}")
 
 
 def features_section(config, adapter, spec, params) -> None:
@@ -211,8 +255,10 @@ def train_section(config, adapter, spec, params) -> None:
 
 def main() -> None:
     loaded = target()
+    sections = {"answers": answers_section, "decode": decode_section, "features": features_section,
+                "train": train_section}
     for name in SECTIONS:
-        {"answers": answers_section, "features": features_section, "train": train_section}[name](*loaded)
+        sections[name](*loaded)
 
 
 if __name__ == "__main__":
