@@ -44,6 +44,7 @@ from dspark_fn.drafts import resolve_arch
 from dspark_fn.drafts.heads import slot_heads
 from dspark_fn.drafts.vocab import frequent_tokens
 from dspark_fn.catalog import load_target_named
+from dspark_fn.checkpoints import mlx_lm_model
 from dspark_fn.targets import resolve_target
 from dspark_fn.types import PairSpec, Params
 
@@ -118,7 +119,6 @@ def answers_section(config, adapter, spec, params) -> None:
 def decode_section(config, adapter, spec, params) -> None:
     from mlx_lm.models.cache import make_prompt_cache
 
-    from dspark_fn.checkpoints import mlx_lm_model
     from dspark_fn.driver import Decoder
 
     pair = answering_pair(config, adapter, spec, params)
@@ -149,8 +149,6 @@ def decode_section(config, adapter, spec, params) -> None:
 
 
 def features_section(config, adapter, spec, params) -> None:
-    from dspark_fn.checkpoints import mlx_lm_model
-
     rows = sorted(corpus_answers(FEATURE_ROWS), key=lambda a: len(a.prompt) + len(a.answer))
     tokens, _ = shards.sequence_arrays(rows, MAX_LENGTH)
     real = sum(min(MAX_LENGTH, len(a.prompt) + len(a.answer)) for a in rows)
