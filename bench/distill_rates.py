@@ -28,7 +28,6 @@ medians of ``REPEATS`` runs after a warm-up.
 import gzip
 import json
 import os
-import statistics
 import time
 from pathlib import Path
 
@@ -47,6 +46,7 @@ from dspark_fn.catalog import load_target_named
 from dspark_fn.checkpoints import mlx_lm_model
 from dspark_fn.targets import resolve_target
 from dspark_fn.types import PairSpec, Params
+from workloads import median_seconds
 
 CORPUS = Path(__file__).resolve().parents[1] / "corpus" / "smollm2-135m-answers.jsonl.gz"
 SECTIONS = os.environ.get("SECTIONS", "answers,decode,features,train").split(",")
@@ -64,14 +64,9 @@ TAPS = (1, 14, 27)
 MAX_LENGTH = 512
 
 
-def median_seconds(fn, repeats: int = REPEATS) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def warm_median_seconds(fn, repeats: int = REPEATS) -> float:
+    """Median over ``repeats`` timed calls after one untimed call (compilation, first allocation)."""
+    return median_seconds(fn, repeats, warmups=1)
 
 
 def corpus_answers(count: int) -> list:
@@ -135,7 +130,7 @@ def decode_section(config, adapter, spec, params) -> None:
         start = time.perf_counter()
         decoder.insert(list(range(batch)), rows, max_new_tokens=10**6)
         prefill = batch * DECODE_PROMPT / (time.perf_counter() - start)
-        ours = median_seconds(decoder.step, DECODE_STEPS)
+        ours = warm_median_seconds(decoder.step, DECODE_STEPS)
         cache = make_prompt_cache(model)
         mx.eval(model(mx.array(rows), cache=cache))
         last = [mx.zeros((batch, 1), mx.int32)]
@@ -144,7 +139,7 @@ def decode_section(config, adapter, spec, params) -> None:
             last[0] = mx.argmax(model(last[0], cache=cache)[:, -1:], axis=-1)
             mx.eval(last[0])
 
-        theirs = median_seconds(mlx_lm_step, DECODE_STEPS)
+        theirs = warm_median_seconds(mlx_lm_step, DECODE_STEPS)
         print(f"{batch:>6} {prefill:>17.1f} {batch / ours:>16.1f} {batch / theirs:>23.1f}")
 
 
@@ -158,9 +153,9 @@ def features_section(config, adapter, spec, params) -> None:
     for begin in range(0, len(rows), shards.PASS_ROWS):  # the same padded batches as the feature pass
         used = -(-max(lengths[begin : begin + shards.PASS_ROWS]) // shards.LENGTH_STEP) * shards.LENGTH_STEP
         batches.append(mx.array(tokens[begin : begin + shards.PASS_ROWS, :used]))
-    ours = median_seconds(lambda: shards.build_shard(adapter, spec, params, TAPS, rows, MAX_LENGTH), 1)
-    with_head = median_seconds(lambda: [mx.eval(model(batch)) for batch in batches], 1)
-    backbone = median_seconds(lambda: [mx.eval(model.model(batch)) for batch in batches], 1)
+    ours = warm_median_seconds(lambda: shards.build_shard(adapter, spec, params, TAPS, rows, MAX_LENGTH), 1)
+    with_head = warm_median_seconds(lambda: [mx.eval(model(batch)) for batch in batches], 1)
+    backbone = warm_median_seconds(lambda: [mx.eval(model.model(batch)) for batch in batches], 1)
     print(f"\nfeatures: {len(rows)} sequences, {real} tokens (passes of {shards.PASS_ROWS}, each padded to its longest)")
     for name, seconds in (("feature pass (taps + top-16 where the loss reads it)", ours),
                           ("mlx-lm forward, head at every position", with_head),
@@ -234,17 +229,17 @@ def train_section(config, adapter, spec, params) -> None:
             mx.eval(optimizer.apply_gradients(clipped, trainable), optimizer.state, loss)
 
         parts = {
-            "data (sample_batch)": median_seconds(lambda: mx.eval(*batch())),
-            "context projection": median_seconds(lambda: mx.eval(context(trainable, frozen, fixed))),
-            "block forward": median_seconds(lambda: mx.eval(blocks(trainable, frozen, fixed, state))),
-            "Markov and confidence heads": median_seconds(lambda: mx.eval(heads(trainable, frozen, base, hidden))),
-            "whole loss, forward": median_seconds(lambda: mx.eval(forward(trainable, frozen, fixed, vocabulary))),
-            "forward + backward": median_seconds(lambda: mx.eval(gradients(trainable, frozen, fixed, vocabulary))),
-            "clip + AdamW": median_seconds(update),
-            "blocks, forward + backward": median_seconds(lambda: mx.eval(shared(trainable, frozen, fixed))),
-            "  the same, a context copy per block": median_seconds(lambda: mx.eval(copied(trainable, frozen, fixed))),
+            "data (sample_batch)": warm_median_seconds(lambda: mx.eval(*batch())),
+            "context projection": warm_median_seconds(lambda: mx.eval(context(trainable, frozen, fixed))),
+            "block forward": warm_median_seconds(lambda: mx.eval(blocks(trainable, frozen, fixed, state))),
+            "Markov and confidence heads": warm_median_seconds(lambda: mx.eval(heads(trainable, frozen, base, hidden))),
+            "whole loss, forward": warm_median_seconds(lambda: mx.eval(forward(trainable, frozen, fixed, vocabulary))),
+            "forward + backward": warm_median_seconds(lambda: mx.eval(gradients(trainable, frozen, fixed, vocabulary))),
+            "clip + AdamW": warm_median_seconds(update),
+            "blocks, forward + backward": warm_median_seconds(lambda: mx.eval(shared(trainable, frozen, fixed))),
+            "  the same, a context copy per block": warm_median_seconds(lambda: mx.eval(copied(trainable, frozen, fixed))),
         }
-        whole = median_seconds(step)
+        whole = warm_median_seconds(step)
         print(f"  {count} anchors a sequence ({SEQUENCES * count} blocks a step): {whole * 1000:.0f} ms a step, "
               f"{SEQUENCES * count / whole:.0f} blocks/s")
         for name, seconds in parts.items():

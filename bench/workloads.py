@@ -52,7 +52,9 @@ def eager(fn):
     return run
 
 
-def median_seconds(fn, repeats: int) -> float:
+def median_seconds(fn, repeats: int, warmups: int = 0) -> float:
+    for _ in range(warmups):
+        fn()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()

@@ -101,6 +101,14 @@ def build_draft(directory: Path, config: dict, seed: int = 0, gain: float = 2.0,
     return save_draft(directory, config, weights)
 
 
+def build_pair(root: Path, config: dict, block_size: int):
+    """A random target in ``root/target`` and a one-layer draft on taps 0 and 1 in ``root/draft``;
+    returns the target's mlx-lm model."""
+    model = build_target(root / "target", config, seed=7)
+    build_draft(root / "draft", draft_config(config, layers=1, taps=(0, 1), block_size=block_size), seed=2)
+    return model
+
+
 def build_bigram_draft(directory: Path, config: dict, model, context, scale=1.0, seed=0, **draft_kwargs):
     """A draft that predicts like a bigram model of the target: its own head
     is zero and its Markov head holds ``scale`` x the target's next-token

@@ -12,10 +12,9 @@ import dspark_fn
 from dspark_fn import CostCurve, Sampling
 from helpers import (
     build_bigram_draft,
-    build_draft,
-    damp_attention,
+    build_pair,
     build_target,
-    draft_config,
+    damp_attention,
     mlx_lm_greedy,
     random_prompt,
     speculative_tokens,
@@ -30,9 +29,7 @@ LENGTHS = (1, 13, 70, 6)
 @pytest.fixture(scope="module")
 def pair_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("batch")
-    model = build_target(root / "target", CONFIG, seed=7)
-    build_draft(root / "draft", draft_config(CONFIG, layers=1, taps=(0, 1), block_size=4), seed=2)
-    return root, model
+    return root, build_pair(root, CONFIG, block_size=4)
 
 
 @pytest.fixture(scope="module")

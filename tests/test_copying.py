@@ -39,8 +39,8 @@ from dspark_fn.kernel import TRACE_COUNTS
 from dspark_fn.schedule import DRAFTED, SlotRates, source_speeds
 from dspark_fn.stats import Tally, combined
 from helpers import (
-    build_bigram_draft, build_draft, build_target, damp_attention, draft_config, mlx_lm_greedy, random_prompt,
-    speculative_tokens, target_config,
+    build_bigram_draft, build_draft, build_pair, build_target, damp_attention, draft_config, mlx_lm_greedy,
+    random_prompt, speculative_tokens, target_config,
 )
 from hybrids import HYBRID_SHAPES, hybrid_draft_config
 
@@ -125,9 +125,7 @@ def test_sources_follow_the_measured_rates():
 @pytest.fixture(scope="module")
 def pair_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("copying")
-    model = build_target(root / "target", CONFIG, seed=7)
-    build_draft(root / "draft", draft_config(CONFIG, layers=1, taps=(0, 1), block_size=BLOCK), seed=2)
-    return root, model
+    return root, build_pair(root, CONFIG, block_size=BLOCK)
 
 
 @pytest.fixture(scope="module")
