@@ -25,7 +25,7 @@ import mlx.core as mx
 from workloads import dspark_generate, eager, fixture_pair, median_seconds, mlx_lm_generate
 
 from dspark_fn import Sampling
-from dspark_fn.benchmark import run_bench
+from dspark_fn.benchmark import run_bench, run_side_by_side
 from dspark_fn.checkpoints import mlx_lm_model
 from dspark_fn.chat import chat_tokens, stop_tokens
 from dspark_fn.evaluate import first_turns
@@ -158,10 +158,10 @@ def precision() -> None:
 
 
 def speed() -> None:
-    """Default settings (no flags) against mlx-lm greedy on the same target,
-    every prompt through both engines in each repeat, medians of repeats; for
-    the bundled draft, then each draft in DRAFTS (the numbers that decide
-    whether a newly trained draft replaces the default), under each of
+    """Default settings (no flags) against mlx-lm greedy on the same target:
+    each repeat runs every prompt through mlx-lm once, then through the bundled
+    draft and each draft in DRAFTS (the numbers that decide whether a newly
+    trained draft replaces the default), medians of repeats; under each of
     PROPOSALS; with the share of rounds and tau per proposal source."""
     candidates = [None] + [d for d in os.environ.get("DRAFTS", "").split(",") if d]
     pairs = {d or "bundled": load_named(None, d) for d in candidates}
@@ -172,12 +172,14 @@ def speed() -> None:
     print("| dataset | draft | proposals | mlx-lm greedy tokens/s | dspark_fn tokens/s | speedup | tau | "
           "rounds: draft / copy / none | tau: draft / copy | identical |")
     print("|---|---|---|---|---|---|---|---|---|---|")
+    candidates = {name: params for name, (params, _, _) in pairs.items()}
     for dataset in DATASETS:
         prompts = [chat_tokens(tokenizer, text) for text in first_turns(dataset, SPEED_N)]
-        for name, (params, _, _) in pairs.items():
-            for proposals in PROPOSALS:
-                s = run_bench(params, model, prompts, TOKENS, stop_tokens(tokenizer), repeats=REPEATS,
-                              proposals=proposals).summary()
+        for proposals in PROPOSALS:
+            results = run_side_by_side(candidates, model, prompts, TOKENS, stop_tokens(tokenizer), repeats=REPEATS,
+                                       proposals=proposals)
+            for name, result in results.items():
+                s = result.summary()
                 print(f"| {dataset} | {name} | {proposals} | {s['baseline_tokens_per_s']:.1f} | "
                       f"{s['dspark_tokens_per_s']:.1f} | {s['speedup']:.2f}x | {s['tau']:.2f} | {source_cells(s)} | "
                       f"{s['identical']} |", flush=True)

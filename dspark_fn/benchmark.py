@@ -98,27 +98,46 @@ class BenchResult:
         }
 
 
-def run_bench(params, model, prompts, max_new_tokens, stop, repeats=3, on_step=lambda: None, **options) -> BenchResult:
-    """Each repeat runs every prompt through both engines; tokens/s per repeat, then medians."""
+def run_side_by_side(candidates: dict, model, prompts, max_new_tokens, stop, repeats=3, on_step=lambda: None,
+                     **options) -> dict[str, BenchResult]:
+    """Each repeat runs every prompt through the target alone once, then through each
+    candidate ``{name: params}`` (the order rotating by repeat); tokens/s per repeat, so
+    every candidate's ratio shares one baseline. Returns a result per candidate."""
+    if not candidates:
+        raise ValueError("run_side_by_side needs at least one candidate: pass {name: params}")
     stop = set(stop)
-    result = BenchResult(prompts=len(prompts))
+    names = list(candidates)
+    results = {name: BenchResult(prompts=len(prompts)) for name in names}
     # Warm-up: compile dspark's kernels and mlx-lm's graph once, outside the timings.
-    dspark_tokens(params, prompts[0], 8, stop, **options)
+    for params in candidates.values():
+        dspark_tokens(params, prompts[0], 8, stop, **options)
     baseline_tokens(model, prompts[0], 8, stop)
     for repeat in range(repeats):
-        counts = {"baseline": [0, 0.0], "dspark": [0, 0.0]}
+        order = names[repeat % len(names) :] + names[: repeat % len(names)]
+        counts = {name: [0, 0.0] for name in ["baseline", *names]}
         for prompt in prompts:
             expected, seconds = timed(baseline_tokens, model, prompt, max_new_tokens, stop)
             counts["baseline"][0] += len(expected)
             counts["baseline"][1] += seconds
-            acceptance = result.acceptance if repeat == 0 else None
-            tokens, seconds = timed(dspark_tokens, params, prompt, max_new_tokens, stop, acceptance, **options)
-            counts["dspark"][0] += len(tokens)
-            counts["dspark"][1] += seconds
-            result.identical &= tokens == expected
+            for name in order:
+                result = results[name]
+                acceptance = result.acceptance if repeat == 0 else None
+                tokens, seconds = timed(dspark_tokens, candidates[name], prompt, max_new_tokens, stop, acceptance,
+                                        **options)
+                counts[name][0] += len(tokens)
+                counts[name][1] += seconds
+                result.identical &= tokens == expected
             on_step()
-        result.baseline_tokens_per_s.append(counts["baseline"][0] / counts["baseline"][1])
-        result.dspark_tokens_per_s.append(counts["dspark"][0] / counts["dspark"][1])
+        for name, result in results.items():
+            result.baseline_tokens_per_s.append(counts["baseline"][0] / counts["baseline"][1])
+            result.dspark_tokens_per_s.append(counts[name][0] / counts[name][1])
+    return results
+
+
+def run_bench(params, model, prompts, max_new_tokens, stop, repeats=3, on_step=lambda: None, **options) -> BenchResult:
+    """The target alone vs one dspark pair (``run_side_by_side``), with draft and verify time per round."""
+    result = run_side_by_side({"dspark": params}, model, prompts, max_new_tokens, stop, repeats, on_step,
+                              **options)["dspark"]
     for prompt in prompts:
-        result.stages = [a + b for a, b in zip(result.stages, stage_seconds(params, prompt, max_new_tokens, stop))]
+        result.stages = [a + b for a, b in zip(result.stages, stage_seconds(params, prompt, max_new_tokens, set(stop)))]
     return result

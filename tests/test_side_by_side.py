@@ -1,0 +1,66 @@
+"""Several drafts against one target-alone baseline (``run_side_by_side``): each draft's
+tokens checked against the target's, its own acceptance, one baseline shared by all."""
+
+import numpy as np
+import pytest
+
+import dspark_fn
+from dspark_fn.benchmark import dspark_tokens, run_bench, run_side_by_side
+from dspark_fn.stats import Tally
+from helpers import (
+    build_bigram_draft, build_draft, build_target, damp_attention, draft_config, random_prompt, target_config,
+)
+
+CONFIG = target_config("qwen3", vocab=128, hidden=32, layers=3, heads=2, kv_heads=1, head_dim=16)
+NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """A damped target, a bigram draft it often accepts and a random draft it rarely does."""
+    root = tmp_path_factory.mktemp("side_by_side")
+    model = damp_attention(root / "target", build_target(root / "target", CONFIG, seed=3, gain=2.0), 0.05)
+    build_bigram_draft(root / "bigram", CONFIG, model, [1], layers=1, taps=(0, 1), block_size=4)
+    build_draft(root / "random", draft_config(CONFIG, layers=1, taps=(0, 1), block_size=4), seed=2)
+    candidates = {name: dspark_fn.load(root / "target", root / name) for name in ("bigram", "random")}
+    rng = np.random.default_rng(5)
+    prompts = [random_prompt(rng, length, CONFIG["vocab_size"]) for length in (5, 9, 14)]
+    return model, candidates, prompts
+
+
+def own_tally(params, prompts) -> Tally:
+    tally = Tally()
+    for prompt in prompts:
+        dspark_tokens(params, prompt, NEW_TOKENS, set(), tally)
+    return tally
+
+
+def test_each_draft_keeps_its_own_acceptance_against_one_shared_baseline(setup):
+    model, candidates, prompts = setup
+    steps = []
+    results = run_side_by_side(candidates, model, prompts, NEW_TOKENS, [], repeats=2,
+                               on_step=lambda: steps.append(1))
+    assert list(results) == list(candidates)
+    assert len(steps) == 2 * len(prompts)
+    tallies = {name: own_tally(params, prompts) for name, params in candidates.items()}
+    assert tallies["bigram"].accepted > tallies["random"].accepted  # the two drafts are told apart
+    for name, result in results.items():
+        assert result.identical, f"{name}: tokens differ from the target alone"
+        assert result.acceptance == tallies[name]
+        assert len(result.dspark_tokens_per_s) == 2
+        assert result.baseline_tokens_per_s == results["bigram"].baseline_tokens_per_s
+
+
+def test_run_bench_is_one_candidate_with_stage_times(setup):
+    model, candidates, prompts = setup
+    result = run_bench(candidates["bigram"], model, prompts, NEW_TOKENS, [], repeats=1)
+    assert result.identical
+    assert result.acceptance == own_tally(candidates["bigram"], prompts)
+    drafting, verifying, rounds = result.stages
+    assert rounds > 0 and drafting > 0 and verifying > 0  # timed apart at full width, outside the repeats
+
+
+def test_no_candidates_is_an_error(setup):
+    model, _, prompts = setup
+    with pytest.raises(ValueError, match="at least one candidate"):
+        run_side_by_side({}, model, prompts, NEW_TOKENS, [])
