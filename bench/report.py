@@ -163,8 +163,8 @@ def speed() -> None:
     draft and each draft in DRAFTS (the numbers that decide whether a newly
     trained draft replaces the default), medians of repeats; under each of
     PROPOSALS; with the share of rounds and tau per proposal source."""
-    candidates = [None] + [d for d in os.environ.get("DRAFTS", "").split(",") if d]
-    pairs = {d or "bundled": load_named(None, d) for d in candidates}
+    drafts = [None] + [d for d in os.environ.get("DRAFTS", "").split(",") if d]
+    pairs = {d or "bundled": load_named(None, d) for d in drafts}
     _, tokenizer, config = pairs["bundled"]
     model = mlx_lm_model(config, pairs["bundled"][0].target)
     print(f"embedded target, default policy, greedy, {SPEED_N} prompts per dataset, {TOKENS} new tokens, "

@@ -114,11 +114,12 @@ def run_side_by_side(candidates: dict, model, prompts, max_new_tokens, stop, rep
     baseline_tokens(model, prompts[0], 8, stop)
     for repeat in range(repeats):
         order = names[repeat % len(names) :] + names[: repeat % len(names)]
-        counts = {name: [0, 0.0] for name in ["baseline", *names]}
+        baseline = [0, 0.0]  # tokens, seconds; apart from the candidates', whatever their names
+        counts = {name: [0, 0.0] for name in names}
         for prompt in prompts:
             expected, seconds = timed(baseline_tokens, model, prompt, max_new_tokens, stop)
-            counts["baseline"][0] += len(expected)
-            counts["baseline"][1] += seconds
+            baseline[0] += len(expected)
+            baseline[1] += seconds
             for name in order:
                 result = results[name]
                 acceptance = result.acceptance if repeat == 0 else None
@@ -129,7 +130,7 @@ def run_side_by_side(candidates: dict, model, prompts, max_new_tokens, stop, rep
                 result.identical &= tokens == expected
             on_step()
         for name, result in results.items():
-            result.baseline_tokens_per_s.append(counts["baseline"][0] / counts["baseline"][1])
+            result.baseline_tokens_per_s.append(baseline[0] / baseline[1])
             result.dspark_tokens_per_s.append(counts[name][0] / counts[name][1])
     return results
 
