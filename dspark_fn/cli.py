@@ -321,6 +321,7 @@ def run_train(args) -> int:
         feature_taps=tuple(args.feature_taps) if args.feature_taps else None, markov_rank=args.markov_rank, draft_vocab=args.draft_vocab, answer_tokens=args.tokens,
         max_new_tokens=args.max_tokens, sources=tuple(args.sources.split(",")), prompts_file=args.prompts,
         answer_batch=args.answer_batch, shard_rows=args.shard_rows, held_out=args.held_out, init_draft=args.init_draft,
+        feature_workers=args.feature_workers,
     )
     config = TrainConfig(steps=args.steps, learning_rate=args.lr, sequences_per_step=args.batch,
                          checkpoint_every=args.checkpoint_every, steps_per_shard=args.steps_per_shard)
@@ -403,6 +404,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="longest answer the target writes")
     fit.add_argument("--answer-batch", type=int, default=16, help="rows of the answering batch")
     fit.add_argument("--shard-rows", type=int, default=64, help="answers per feature shard (one is in memory at a time)")
+    fit.add_argument("--feature-workers", type=int, default=1,
+                     help="processes of the features pass, each holding the target (2 on two cores: about 1.5x)")
     fit.add_argument("--layers", type=int, default=1, help="draft layers")
     fit.add_argument("--taps", type=int, nargs="+", help="tapped target layers (default: 3 spread from layer 1)")
     fit.add_argument("--feature-taps", type=int, nargs="+", help="tapped layers the feature shards store "

@@ -19,7 +19,6 @@ import queue
 import socket
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import uvicorn

@@ -33,6 +33,7 @@ from dspark_fn.distill import answers as answering
 from dspark_fn.distill import config as draft_setup
 from dspark_fn.distill import corpus as shards
 from dspark_fn.distill import objective, prompts, trainer
+from dspark_fn.distill.workers import build_shards_parallel
 from dspark_fn.drafts import resolve_arch
 from dspark_fn.drafts.vocab import frequent_tokens
 from dspark_fn.rng import row_seeds
@@ -204,7 +205,30 @@ def test_shards_resume_and_refuse_other_taps(setup, tmp_path):
         build(answers, taps=(0,))
 
 
-def test_shards_of_more_taps_serve_a_draft_its_own(setup, tmp_path):
+
+def test_feature_workers_write_what_one_process_writes(setup, tmp_path):
+    """Two processes over interleaved windows (the second loading the target
+    from its directory) leave the index and every shard of one process; a
+    stale shard on disk past the index (other answers) is rebuilt, not adopted."""
+    params, answers = setup["params"], setup["answers"]
+    spec = params.spec
+    args = (spec.target_adapter, spec.target, params.target, spec.taps, answers)
+    alone = shards.build_shards(*args, tmp_path / "alone", rows=SHARD_ROWS)
+    shards.build_shards(*args[:-1], answers[SHARD_ROWS:], tmp_path / "stale", rows=SHARD_ROWS)
+    (tmp_path / "pair").mkdir()
+    (tmp_path / "stale" / "shard-00001.npz").rename(tmp_path / "pair" / "shard-00001.npz")
+    failures = []
+    pair = build_shards_parallel(2, str(setup["root"] / "target"), None, *args, tmp_path / "pair",
+                                 max_length=512, rows=SHARD_ROWS, log=failures.append)
+    assert not failures
+    assert pair == alone and len(alone["shards"]) == len(answers) // SHARD_ROWS >= 3
+    for entry in alone["shards"]:
+        one, two = np.load(tmp_path / "alone" / entry["file"]), np.load(tmp_path / "pair" / entry["file"])
+        assert one.files == two.files
+        for name in one.files:
+            assert np.array_equal(one[name], two[name]), (entry["file"], name)
+    assert sorted(path.name for path in (tmp_path / "pair").iterdir()) == sorted(
+        [entry["file"] for entry in alone["shards"]] + [shards.INDEX])
     """Shards storing extra tapped layers give a draft exactly the features
     of its own taps, in its order; taps they lack are refused."""
     params, answers = setup["params"], setup["answers"][:SHARD_ROWS]

@@ -22,7 +22,6 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-import pytest
 
 from dspark_fn import atomic
 from dspark_fn.distill import answers as answering
@@ -40,9 +39,9 @@ def write_target(directory: Path) -> None:
     qwen3_pair(tied=True, taps=[1, 2, 3])(directory, directory.parent / "unused")
 
 
-def train(target: Path, out: Path, log: Path, kill_at: int = 0, mode: str = "torn") -> int:
+def train(target: Path, out: Path, log: Path, kill_at: int = 0, mode: str = "torn", extra: tuple = ()) -> int:
     command = [sys.executable, str(HERE / "kill_points.py"), str(log), str(kill_at), mode, "--", "train",
-               "--model", str(target), "--out", str(out), *ARGUMENTS]
+               "--model", str(target), "--out", str(out), *ARGUMENTS, *extra]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     if done.returncode not in (0, -9):
@@ -94,3 +93,21 @@ def test_a_run_killed_at_random_writes_ends_as_one_never_killed(tmp_path):
         assert mx.array_equal(resumed_weights[name], value), name
     for name, value in exported.items():
         assert mx.array_equal(resumed_export[name], value), name
+
+
+def test_a_run_with_feature_workers_ends_as_one_without(tmp_path):
+    """``--feature-workers 3``: the features pass in three processes (the
+    others loading the target by its path) changes nothing downstream."""
+    write_target(tmp_path / "target")
+    runs = {}
+    for workers in (1, 3):
+        out = tmp_path / f"workers-{workers}"
+        assert train(tmp_path / "target", out, tmp_path / "log", extra=("--feature-workers", str(workers))) == 0
+        runs[workers] = final_state(out)
+    assert len(list((tmp_path / "workers-3" / "features").glob("shard-*.npz"))) >= 3
+    (answers, step, weights, exported), (answers_3, step_3, weights_3, exported_3) = runs[1], runs[3]
+    assert answers_3 == answers and step_3 == step
+    for name, value in weights.items():
+        assert mx.array_equal(weights_3[name], value), name
+    for name, value in exported.items():
+        assert mx.array_equal(exported_3[name], value), name

@@ -18,6 +18,7 @@ the draft's configuration and first weights.
 
 import json
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -31,6 +32,7 @@ from ..types import PairSpec, Params
 from .answers import answer_prompts, prefix_answers, read_answers, single_stream_speed
 from .config import draft_config_for, initial_draft
 from .corpus import build_shards, read_index, shard_schedule
+from .workers import build_shards_parallel
 from .prompts import BUNDLED, Prompt, read_jsonl_prompts, training_prompts
 from .trainer import TrainConfig, held_out_tau, saved_step, train
 
@@ -57,6 +59,7 @@ class DistillConfig:
     prompts_file: str | None = None  # a .jsonl of extra prompts, used first
     answer_batch: int = 16
     shard_rows: int = 64  # answers per feature shard (one shard is in memory at a time)
+    feature_workers: int = 1  # processes of the features pass (each holds the target)
     held_out: int = 8  # the bundled file's last prompts, never trained on, score tau
     eval_new_tokens: int = 128
     save_dtype: str = "float16"
@@ -144,10 +147,13 @@ def distill(target_source, out_dir, setup: DistillConfig, config: TrainConfig,
     # 3: features on disk
     bar = progress(len(answers), "features", read_index(out / FEATURES_DIR)["answers"]) if progress else None
     stored_taps = setup.feature_taps or spec.target_layer_ids
-    index = build_shards(adapter, target_spec, target_params, stored_taps, answers, out / FEATURES_DIR,
-                         setup.max_prompt_tokens + setup.max_new_tokens,
-                         on_shard=lambda done, total: bar.update(done - bar.n) if bar else None,
-                         rows=setup.shard_rows)
+    build = (build_shards if setup.feature_workers <= 1 else
+             partial(build_shards_parallel, setup.feature_workers,
+                     None if target_source is None else str(target_source), setup.dtype, log=log))
+    index = build(adapter, target_spec, target_params, stored_taps, answers, out / FEATURES_DIR,
+                  setup.max_prompt_tokens + setup.max_new_tokens,
+                  on_shard=lambda done, total: bar.update(done - bar.n) if bar else None,
+                  rows=setup.shard_rows)
     if bar is not None:
         bar.close()
     if not index["shards"]:

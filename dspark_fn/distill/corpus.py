@@ -10,7 +10,10 @@ their own longest, and the output head runs only at those positions: the
 49k-row head is a large share of a small target's forward on a CPU.
 ``index.json`` lists the shards and how many answers they cover, so
 building resumes after the last complete shard and extends when the answers
-grow; shard and index are each written whole or not at all. Shards may
+grow; shard and index are each written whole or not at all. Shard ``w``
+holds the answers' ``w``-th window of ``rows``; a shard found on disk past
+the index (another process built it, or a kill came before the index) joins
+the index once its tokens and taps are checked against its window. Shards may
 store more tapped layers than a draft reads: each draft reads its own taps
 from them, so drafts with other taps train from the same shards.
 """
@@ -122,7 +125,8 @@ def build_shard(adapter, spec, params, taps: tuple, answers: Sequence, max_lengt
         part = teacher_forced(adapter, spec, params, taps, tokens[rows, :used], mask[rows, :used])
         parts.append([np.pad(array, [(0, 0), (0, tokens.shape[1] - used), (0, 0)]) for array in part])
     features, ids, probs = (np.concatenate(column) for column in zip(*parts))
-    return {"tokens": tokens, "loss_mask": mask, "features": features, "top_ids": ids, "top_probs": probs}
+    return {"tokens": tokens, "loss_mask": mask, "features": features, "top_ids": ids, "top_probs": probs,
+            "taps": np.asarray(taps, np.int32)}
 
 
 def read_index(directory: Path) -> dict:
@@ -130,9 +134,58 @@ def read_index(directory: Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {"shards": [], "answers": 0}
 
 
+def window_answers(answers: Sequence, window: int, rows: int) -> list:
+    """The answers of shard ``window``, sorted by length (a shard holds similar lengths: less padding)."""
+    return sorted(answers[window * rows : (window + 1) * rows], key=lambda a: len(a.prompt) + len(a.answer))
+
+
+def shard_path(directory, window: int) -> Path:
+    return Path(directory) / f"shard-{window:05d}.npz"
+
+
+def shard_holds(path: Path, window: Sequence, taps: Sequence[int], max_length: int) -> bool:
+    """Whether the shard file at ``path`` was built from ``window`` with ``taps``."""
+    if not path.is_file():
+        return False
+    stored = np.load(path)
+    if "taps" not in stored.files or stored["taps"].tolist() != list(taps):
+        return False
+    return np.array_equal(stored["tokens"], sequence_arrays(window, max_length)[0])
+
+
+def build_window(adapter, spec, params, taps: Sequence[int], members: Sequence, path: Path, max_length: int) -> None:
+    """The shard of one window's answers (sorted by length) written whole at
+    ``path``, unless the file there already holds it."""
+    if not shard_holds(path, members, taps, max_length):
+        arrays = build_shard(adapter, spec, params, tuple(taps), members, max_length)
+        atomic.write_with(path, lambda partial: _save_npz(partial, arrays))
+
+
+def adopt_shards(directory, index: dict, answers: Sequence, taps: Sequence[int], max_length: int,
+                 rows: int = SHARD_ROWS) -> dict:
+    """The index extended by the shards on disk that continue it, each checked
+    against its window; written whole when it grows."""
+    grown = False
+    while (len(index["shards"]) + 1) * rows <= len(answers):
+        window = len(index["shards"])
+        path = shard_path(directory, window)
+        if not shard_holds(path, window_answers(answers, window, rows), taps, max_length):
+            break
+        tokens = int(np.load(path)["loss_mask"].sum())
+        index["shards"].append({"file": path.name, "rows": rows, "tokens": tokens})
+        index["answers"] = (window + 1) * rows
+        grown = True
+    if grown:
+        atomic.write_text(Path(directory) / INDEX, json.dumps(index, indent=1))
+    return index
+
+
 def build_shards(adapter, spec, params, taps: Sequence[int], answers: Sequence, directory, max_length: int = 512,
-                 on_shard: Callable[[int, int], None] = lambda done, total: None, rows: int = SHARD_ROWS) -> dict:
-    """Shards of ``rows`` answers for every whole group of answers not yet covered; returns the index."""
+                 on_shard: Callable[[int, int], None] = lambda done, total: None, rows: int = SHARD_ROWS,
+                 builds: Callable[[int], bool] = lambda window: True) -> dict:
+    """Shards of ``rows`` answers for every whole window not yet covered (of
+    those this process ``builds``; the others are left to other processes and
+    adopted when they appear); returns the index."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     index = read_index(directory)
@@ -140,16 +193,15 @@ def build_shards(adapter, spec, params, taps: Sequence[int], answers: Sequence, 
         raise ValueError(f"{directory} holds features of taps {index.get('taps')}, not {list(taps)}: "
                          f"store those taps, or use another directory")
     index["taps"] = list(taps)
-    # shards hold similar lengths: sort each window of answers by length (less padding)
-    for begin in range(index["answers"], len(answers) - rows + 1, rows):
-        window = sorted(answers[begin : begin + rows], key=lambda a: len(a.prompt) + len(a.answer))
-        arrays = build_shard(adapter, spec, params, tuple(taps), window, max_length)
-        name = f"shard-{len(index['shards']):05d}.npz"
-        atomic.write_with(directory / name, lambda partial: _save_npz(partial, arrays))
-        index["shards"].append({"file": name, "rows": len(window), "tokens": int(arrays["loss_mask"].sum())})
-        index["answers"] = begin + rows
-        atomic.write_text(directory / INDEX, json.dumps(index, indent=1))
-        on_shard(index["answers"], len(answers))
+    index = adopt_shards(directory, index, answers, taps, max_length, rows)
+    for window in range(len(index["shards"]), len(answers) // rows):
+        if builds(window):
+            build_window(adapter, spec, params, taps, window_answers(answers, window, rows),
+                         shard_path(directory, window), max_length)
+        before = index["answers"]
+        index = adopt_shards(directory, index, answers, taps, max_length, rows)
+        if index["answers"] > before:
+            on_shard(index["answers"], len(answers))
     return index
 
 
