@@ -205,7 +205,6 @@ def test_shards_resume_and_refuse_other_taps(setup, tmp_path):
         build(answers, taps=(0,))
 
 
-
 def test_feature_workers_write_what_one_process_writes(setup, tmp_path):
     """Two processes over interleaved windows (the second loading the target
     from its directory) leave the index and every shard of one process; a
@@ -229,6 +228,9 @@ def test_feature_workers_write_what_one_process_writes(setup, tmp_path):
             assert np.array_equal(one[name], two[name]), (entry["file"], name)
     assert sorted(path.name for path in (tmp_path / "pair").iterdir()) == sorted(
         [entry["file"] for entry in alone["shards"]] + [shards.INDEX])
+
+
+def test_shards_of_more_taps_serve_a_draft_its_own(setup, tmp_path):
     """Shards storing extra tapped layers give a draft exactly the features
     of its own taps, in its order; taps they lack are refused."""
     params, answers = setup["params"], setup["answers"][:SHARD_ROWS]
