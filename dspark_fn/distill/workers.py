@@ -27,19 +27,15 @@ from .corpus import SHARD_ROWS, build_shards, build_window, read_index, shard_pa
 WORKER = "import sys; from dspark_fn.distill.workers import run_job; run_job(sys.argv[1])"
 
 
-def job_file(directory, worker: int) -> Path:
-    return Path(directory) / f"worker-{worker}.json"
-
-
 def write_job(directory, worker: int, workers: int, target: str, dtype: str | None, taps: Sequence[int],
               answers: Sequence, max_length: int, rows: int) -> Path:
     """What worker ``worker`` of ``workers`` needs: the target to load and the answers of the windows it builds."""
     first = read_index(directory)["answers"] // rows
     mine = [w for w in range(first, len(answers) // rows) if w % workers == worker]
     windows = {w: [[list(a.prompt), list(a.answer)] for a in answers[w * rows : (w + 1) * rows]] for w in mine}
-    job = {"target": target, "dtype": dtype, "taps": list(taps), "max_length": max_length, "rows": rows,
-           "windows": windows, "parent": os.getpid()}
-    return atomic.write_text(job_file(directory, worker), json.dumps(job))
+    job = {"target": target, "dtype": dtype, "taps": list(taps), "max_length": max_length, "windows": windows,
+           "parent": os.getpid()}
+    return atomic.write_text(Path(directory) / f"worker-{worker}.json", json.dumps(job))
 
 
 def _exit_with(parent: int) -> None:
@@ -74,8 +70,6 @@ def build_shards_parallel(workers: int, target: str, dtype: str | None, adapter,
     """``build_shards`` with ``workers - 1`` more processes beside this one
     (``target``/``dtype``: how they load the target this process holds); a
     worker that fails is logged and its windows built here."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
     jobs = [write_job(directory, worker, workers, target, dtype, taps, answers, max_length, rows)
             for worker in range(1, workers)]
     helpers = [subprocess.Popen([sys.executable, "-c", WORKER, str(job)]) for job in jobs]
