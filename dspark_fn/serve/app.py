@@ -104,7 +104,7 @@ class Api:
                            "model", status=404, code="model_not_found")
         tools = Tools.from_body(body.get("tools"), body.get("tool_choice")) if kind == "chat" else Tools(())
         prompt = self.chat_prompt(body, tools) if kind == "chat" else self.text_prompt(body)
-        room = self.engine.max_context - len(prompt) - self.engine.decoder.policy.max_width
+        room = self.engine.max_context - len(prompt) - self.engine.decoder.planner.max_width
         if room < 1:
             raise ApiError(f"the prompt has {len(prompt)} tokens; the context holds {self.engine.max_context}",
                            "messages" if kind == "chat" else "prompt", code="context_length_exceeded")
@@ -212,20 +212,18 @@ class Api:
 
     def usage(self, job: Job, requests: list[Request]) -> dict:
         completion = sum(r.produced for r in requests)
-        rounds = [r.acceptance for r in requests]
-        emitted, count = sum(a.emitted for a in rounds), sum(a.rounds for a in rounds)
-        accepted, drafted = sum(a.accepted for a in rounds), sum(a.drafted for a in rounds)
+        acceptance = combined(r.acceptance for r in requests)
         return {
             "prompt_tokens": len(job.prompt) * job.n,
             "completion_tokens": completion,
             "total_tokens": len(job.prompt) * job.n + completion,
             "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in requests)},
         }, {
-            "tau": emitted / count if count else 0.0,
-            "acceptance_rate": accepted / drafted if drafted else 0.0,
-            "rounds": count,
+            "tau": acceptance.tau,
+            "acceptance_rate": acceptance.acceptance_rate,
+            "rounds": acceptance.rounds,
             "prompt_cache_hit": any(r.cached_tokens for r in requests),
-            "sources": combined(rounds).sources(),
+            "sources": acceptance.sources(),
         }
 
     def envelope(self, job: Job, ident: str, created: int, chunk: bool) -> dict:
