@@ -250,8 +250,8 @@ class Plan(NamedTuple):
     limits: np.ndarray  # [B] int32: the proposals a row may keep (0: none, a plain target step)
     drafting: np.ndarray  # [B] rows verifying the draft
     copying: np.ndarray  # [B] rows verifying their copy
-    rates: np.ndarray | None  # [B, G] the per-slot rates planned with (the draft's confidences, a copy's
-    #                           measured acceptance); None when nothing was proposed
+    confidences: np.ndarray | None  # [B, G] per slot, the chance planned with: the draft's confidence, or
+    #                                 a copy's measured acceptance; None when nothing was proposed
 
     def source(self, row: int) -> str:
         """What row ``row`` verified: "draft", "copy" or "" (nothing: a plain target step)."""
@@ -362,31 +362,31 @@ class Planner:
         self.plain_rounds += 1
         return False
 
-    def plan(self, confidences: np.ndarray | None, matches: np.ndarray, sources: Sources, live: np.ndarray,
+    def plan(self, draft_confidences: np.ndarray | None, matches: np.ndarray, sources: Sources, live: np.ndarray,
              fresh: np.ndarray) -> Plan:
-        """The round's width and limits. ``confidences [B, G]``: the draft's
-        (sigmoid of its confidence logits), None without a draft; ``fresh
+        """The round's width and limits. ``draft_confidences [B, G]``: the
+        sigmoid of the draft's confidence logits, None without a draft; ``fresh
         [B]``: live rows the draft does not cover (they joined after it was
         made). A copying row's slots are rated by its match length; the
         threshold cuts drafts only; Algorithm 1 ("auto") reads the live rows."""
         copying = sources.copying
-        drafting = live & ~copying & ~fresh if confidences is not None else np.zeros_like(live)
+        drafting = live & ~copying & ~fresh if draft_confidences is not None else np.zeros_like(live)
         proposing = drafting | copying
         if not proposing.any():
             return Plan(1, np.zeros(len(live), np.int32), drafting, copying, None)
-        rates = np.zeros((len(live), self.block_size)) if confidences is None else confidences.copy()
+        confidences = np.zeros((len(live), self.block_size)) if draft_confidences is None else draft_confidences.copy()
         for row in np.flatnonzero(copying):
-            rates[row, : self.max_width - 1] = self.rates.acceptance[matches[row]]
+            confidences[row, : self.max_width - 1] = self.rates.acceptance[matches[row]]
         limits = np.where(proposing, self.max_width - 1, 0)
         if self.threshold > 0:
-            limits = np.where(copying, limits, np.minimum(limits, threshold_lengths(rates, self.threshold)))
+            limits = np.where(copying, limits, np.minimum(limits, threshold_lengths(confidences, self.threshold)))
         if self.auto:
-            allowed = np.arange(rates.shape[1])[None, :] < limits[:, None]
-            survival = np.cumprod(rates, axis=1) * allowed
+            allowed = np.arange(confidences.shape[1])[None, :] < limits[:, None]
+            survival = np.cumprod(confidences, axis=1) * allowed
             limits = np.minimum(limits, scheduled_length(survival[live][:, : self.max_width - 1], self.costs,
                                                          self.buckets))
         widest = int(limits[live].max())
-        return Plan(bucket_for(widest + 1, self.buckets), limits.astype(np.int32), drafting, copying, rates)
+        return Plan(bucket_for(widest + 1, self.buckets), limits.astype(np.int32), drafting, copying, confidences)
 
     def learn(self, plan: Plan, accepted: np.ndarray, copies: list, committed: list) -> None:
         """A finished round: the draft's rates from the rows that verified it
@@ -395,6 +395,6 @@ class Planner:
         (``committed[b]``), whether the round verified that copy or not."""
         if plan.drafting.any():
             rows = plan.drafting
-            self.rates.observe_drafts(accepted[rows], plan.limits[rows], plan.rates[rows])
+            self.rates.observe_drafts(accepted[rows], plan.limits[rows], plan.confidences[rows])
         if self.copies:
             self.rates.observe_copies([copy.match for copy in copies], [copy.tokens for copy in copies], committed)
