@@ -160,7 +160,8 @@ def registered():
 
 @pytest.fixture(scope="module", params=sorted(SHAPES))
 def pair(request, registered, tmp_path_factory):
-    """The family's target as mlx-lm writes it, with a fresh draft configured for it as ``dspark train`` configures one."""
+    """The family's target as mlx-lm writes it, with a fresh draft configured
+    for it as ``dspark train`` configures one."""
     root = tmp_path_factory.mktemp(request.param)
     config = SHAPES[request.param]
     model = build_target(root / "target", config, seed=3, vector_spread=0.4)

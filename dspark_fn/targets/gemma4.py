@@ -7,7 +7,9 @@ projection (``attention_k_eq_v``) and rotate only part of each head
 attends with scale 1, wraps attention and MLP in sandwich norms and ends with
 a learned ``layer_scalar``; embeddings are scaled by sqrt(d) and logits are
 softcapped. The small models' per-layer token inputs and their KV sharing
-between late layers are supported; MoE blocks are not.
+between late layers are supported (a pipeline split keeps a sharing layer on
+its source's rank); MoE blocks are not. The multimodal releases (``gemma4``,
+``gemma4_unified``) run their text model.
 
 Its layer math lives in ``layers/gemma4.py``, shared with the gemma4 DSpark draft.
 """

@@ -183,7 +183,8 @@ def forward(spec: Lfm2Spec, params: dict, kv: list, tokens, start, taps: tuple, 
 
 def draft_geometry(config: dict) -> dict:
     """What a fresh draft copies: lfm2 names its dense feed-forward width ``block_ff_dim``."""
-    return fresh_draft_geometry({**config, "intermediate_size": config.get("intermediate_size") or config["block_ff_dim"]})
+    width = config.get("intermediate_size") or config["block_ff_dim"]
+    return fresh_draft_geometry({**config, "intermediate_size": width})
 
 
 ADAPTER = TargetAdapter(

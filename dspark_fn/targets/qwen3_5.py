@@ -226,7 +226,8 @@ TOWERS = ("vision_tower", "visual")
 
 ADAPTER = TargetAdapter(
     model_types=("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"),
-    releases=(Release("qwen3_5", "qwen3_5_text", towers=TOWERS), Release("qwen3_5_moe", "qwen3_5_moe_text", towers=TOWERS)),
+    releases=(Release("qwen3_5", "qwen3_5_text", towers=TOWERS),
+              Release("qwen3_5_moe", "qwen3_5_moe_text", towers=TOWERS)),
     spec_from_config=spec_from_config, init_kv=init_kv, forward=forward, load_params=load_params,
     prompt_forward=stopping_at_prompt_end(forward),
 )
