@@ -333,10 +333,16 @@ def run_train(args) -> int:
 
 def run_serve(args) -> int:
     try:
-        from .serve.app import serve
+        from .serve.access import KEY_VARIABLE, is_loopback, read_keys
+        from .serve.app import serve, system_fingerprint
         from .serve.engine import Engine
     except ImportError as missing:
         raise SystemExit(f"dspark serve needs its extra: pip install 'dspark-fn[serve]' ({missing})") from None
+    keys = read_keys(args.api_key, args.api_key_file)
+    if not keys and not is_loopback(args.host) and not args.no_api_key:
+        raise SystemExit(f"dspark: --host {args.host} lets other machines reach the server, and it has no API key: "
+                         f"pass --api-key KEY (or --api-key-file FILE, or set {KEY_VARIABLE}), or --no-api-key to "
+                         f"serve anyone who can reach the port")
     params, tokenizer, _ = load(args)
     if tokenizer is None:
         raise SystemExit("dspark: this model has no tokenizer; the server needs one to read requests")
@@ -350,7 +356,9 @@ def run_serve(args) -> int:
         engine.follow()
         return 1 if engine.dead else 0
     print(f"dspark: serving {name} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
-    if serve(engine, tokenizer, name, args.host, args.port):
+    options = dict(fingerprint=system_fingerprint(name, args.draft or "its published draft"), api_keys=keys,
+                   max_body_bytes=int(args.max_body_mb * (1 << 20)))
+    if serve(engine, tokenizer, name, args.host, args.port, **options):
         raise SystemExit(f"dspark: the decoding engine failed and could not start again ({engine.failure})")
     return 0
 
@@ -425,7 +433,7 @@ def build_parser() -> argparse.ArgumentParser:
                      "checkpoint in --out by itself")
     fit.set_defaults(run=run_train)
 
-    serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching")
+    serve = commands.add_parser("serve", help="an OpenAI- and Anthropic-compatible HTTP server with continuous batching")
     add_model_arguments(serve)
     add_verify_arguments(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -434,6 +442,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-context", type=int, default=4096, help="prompt + completion tokens per request")
     serve.add_argument("--prompt-cache-mb", type=int, default=1024,
                        help="memory for finished conversations whose prefix a new request can reuse (0: off)")
+    serve.add_argument("--api-key", action="append", default=[],
+                       help="a key every request but /health must carry (Authorization: Bearer or x-api-key); "
+                       "repeatable; also --api-key-file and the DSPARK_API_KEY environment variable")
+    serve.add_argument("--api-key-file", help="a file of keys, one a line")
+    serve.add_argument("--no-api-key", action="store_true",
+                       help="serve without a key on an address other machines reach (refused otherwise)")
+    serve.add_argument("--max-body-mb", type=float, default=16, help="largest request body taken (413 past it)")
     serve.set_defaults(run=run_serve)
 
     models = commands.add_parser("models", help="list the model aliases")

@@ -107,7 +107,7 @@ def replies(requests: list) -> list:
 async def texts(api, job) -> list:
     """The text of each piece the server's stream hands out for ``job`` (one request)."""
     [request] = api.submit(job)
-    return [piece async for piece, _, _ in api.pieces(job, request)]
+    return [piece.text async for piece in api.pieces(job, request)]
 
 
 async def streamed(api, job) -> tuple[str, str]:

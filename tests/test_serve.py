@@ -131,6 +131,15 @@ def detokenized(tokenizer, tokens: list) -> str:
     return detokenizer.text
 
 
+def continued(tokenizer, prompt: list, tokens: list) -> str:
+    """A completion's text: what ``tokens`` (stop tokens left out) add to the decoded prompt."""
+    stops = set(stop_tokens(tokenizer))
+    head = tokenizer.decode(prompt)
+    whole = tokenizer.decode(prompt + [t for t in tokens if t not in stops])
+    assert whole.startswith(head)
+    return whole[len(head) :]
+
+
 def reference_tokens(library, prompt: list, max_tokens: int) -> list:
     params, tokenizer = library
     stops = stop_tokens(tokenizer)
@@ -212,7 +221,7 @@ def test_text_completions_and_usage(client, library):
     reply = client.completions.create(model=MODEL, prompt="hello world", max_tokens=10, temperature=0)
     prompt = tokenizer.encode("hello world")
     tokens = reference_tokens(library, prompt, 10)
-    assert reply.choices[0].text == detokenized(tokenizer, tokens)
+    assert reply.choices[0].text == continued(tokenizer, prompt, tokens)
     assert reply.usage.prompt_tokens == len(prompt) and reply.usage.completion_tokens == len(tokens)
 
 
@@ -286,6 +295,25 @@ def test_a_response_continued_by_id_reuses_the_cached_prompt(client, library):
                                      max_output_tokens=8, temperature=0)
     assert second.usage.input_tokens_details.cached_tokens > 0
     assert second.usage.input_tokens > first.usage.input_tokens
+
+
+def test_an_anthropic_message_equals_the_chat_completion(server, client, library):
+    """The same conversation through the ``anthropic`` client (whole and
+    streamed) and through chat completions: the same greedy text."""
+    anthropic = pytest.importorskip("anthropic")
+    messages = [{"role": "user", "content": "tell me about the lazy dog"}]
+    chat_reply = client.chat.completions.create(model=MODEL, messages=[{"role": "system", "content": "Be kind."}] +
+                                                messages, max_tokens=20, temperature=0)
+    claude = anthropic.Anthropic(base_url=server[0], api_key="unused", max_retries=0)
+    greedy = {"temperature": 0}  # this client sends sampling settings as extra body fields
+    message = claude.messages.create(model=MODEL, system="Be kind.", messages=messages, max_tokens=20,
+                                     extra_body=greedy)
+    assert message.content[0].text == chat_reply.choices[0].message.content
+    assert message.stop_reason == {"length": "max_tokens", "stop": "end_turn"}[chat_reply.choices[0].finish_reason]
+    assert message.usage.input_tokens + message.usage.cache_read_input_tokens == chat_reply.usage.prompt_tokens
+    with claude.messages.stream(model=MODEL, system="Be kind.", messages=messages, max_tokens=20,
+                                extra_body=greedy) as stream:
+        assert "".join(stream.text_stream) == message.content[0].text
 
 
 def log_softmax_reference(pair, prompt: list, tokens: list) -> np.ndarray:
@@ -474,10 +502,10 @@ def test_hybrid_conversation_resumes_from_its_stored_state(hybrid):
     opening = chat_tokens(tokenizer, OPENING)
     answer = client.completions.create(model=name, prompt=opening, max_tokens=first_turn, temperature=0)
     reply = greedy_reply(model, tokenizer, opening, first_turn)
-    assert answer.choices[0].text == detokenized(tokenizer, reply)
+    assert answer.choices[0].text == continued(tokenizer, opening, reply)
     assert answer.model_extra["dspark"]["acceptance_rate"] > 0.5  # the draft knows this answer
     follow_up = opening + reply + chat_tokens(tokenizer, "and the world?")
     second = client.completions.create(model=name, prompt=follow_up, max_tokens=HYBRID_NEW_TOKENS, temperature=0)
     assert second.model_extra["dspark"]["prompt_cache_hit"]
     assert len(opening) < second.usage.prompt_tokens_details.cached_tokens < len(opening) + len(reply)
-    assert second.choices[0].text == detokenized(tokenizer, greedy_reply(model, tokenizer, follow_up, HYBRID_NEW_TOKENS))
+    assert second.choices[0].text == continued(tokenizer, follow_up, greedy_reply(model, tokenizer, follow_up, HYBRID_NEW_TOKENS))

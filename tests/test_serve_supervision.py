@@ -48,7 +48,7 @@ from dspark_fn.checkpoints import load_tokenizer
 from dspark_fn.serve.app import Server, create_app, serve
 from dspark_fn.serve.engine import Engine, Request
 from published import qwen3_pair
-from test_serve import detokenized, post, reference_tokens
+from test_serve import continued, post, reference_tokens
 
 uvicorn = pytest.importorskip("uvicorn")
 
@@ -155,7 +155,7 @@ def server(library):
 
 
 def greedy_text(library) -> str:
-    return detokenized(library[1], reference_tokens(library, PROMPT, NEW_TOKENS))
+    return continued(library[1], PROMPT, reference_tokens(library, PROMPT, NEW_TOKENS))
 
 
 def test_a_failed_round_fails_its_request_and_the_engine_starts_again(server, library, monkeypatch):

@@ -76,6 +76,7 @@ class Request:
     seed: int = 0
     stop_tokens: frozenset = frozenset()
     top_log_probs: int | None = None  # score each token, with this many most likely alternatives
+    score_prompt: bool = False  # score the prompt's tokens too (an Update "prompt" before the first tokens)
     events: queue.Queue = field(default_factory=queue.Queue)
     acceptance: Tally = field(default_factory=Tally)
     cached_tokens: int = 0  # prompt tokens reused from the prompt cache
@@ -96,14 +97,16 @@ class Request:
         sampling = self.sampling
         return {"prompt": self.prompt, "max_tokens": self.max_tokens, "seed": self.seed,
                 "sampling": [sampling.temperature, sampling.top_k, sampling.top_p],
-                "stop_tokens": sorted(self.stop_tokens), "top_log_probs": self.top_log_probs}
+                "stop_tokens": sorted(self.stop_tokens), "top_log_probs": self.top_log_probs,
+                "score_prompt": self.score_prompt}
 
     @classmethod
     def from_settings(cls, settings: dict) -> "Request":
         temperature, top_k, top_p = settings["sampling"]
         return cls(prompt=settings["prompt"], max_tokens=settings["max_tokens"],
                    sampling=Sampling(temperature=temperature, top_k=top_k, top_p=top_p), seed=settings["seed"],
-                   stop_tokens=frozenset(settings["stop_tokens"]), top_log_probs=settings["top_log_probs"])
+                   stop_tokens=frozenset(settings["stop_tokens"]), top_log_probs=settings["top_log_probs"],
+                   score_prompt=settings["score_prompt"])
 
 
 class EngineFailure(RuntimeError):

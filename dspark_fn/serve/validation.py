@@ -10,14 +10,16 @@ from ..sampling import Sampling
 from .errors import ApiError
 from .tools import Tools, template_turns
 
+MAX_PROMPTS = 64  # completions prompts in one request (each becomes its own sequences)
+
 
 @dataclass(frozen=True)
 class Job:
     """A validated request: prompt ids, settings, and how to report it."""
 
     kind: str  # "chat" or "text"
-    prompt: list
-    max_tokens: int
+    prompts: tuple  # token ids of each prompt (a chat: one; completions take a list of prompts)
+    max_tokens: int  # 0 (completions with echo): the prompt scored, nothing generated
     sampling: Sampling
     seed: int | None
     stop: tuple
@@ -26,6 +28,12 @@ class Job:
     include_usage: bool
     top_log_probs: int | None = None  # log-probabilities asked: with this many most likely tokens each
     tools: Tools = Tools(())  # the function tools offered, after tool_choice
+    echo: tuple = ()  # completions with echo: each prompt's text, sent before its completion
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Echoed prompts' tokens are scored when log-probabilities are asked."""
+        return bool(self.echo) and self.top_log_probs is not None
 
 
 def number(body: dict, name: str, default, kind=float, low=None, high=None, low_open=False):
@@ -75,15 +83,17 @@ class Reader:
             raise ApiError(f"model {model!r} is not served here; this server serves {self.model_name!r}",
                            "model", status=404, code="model_not_found")
         tools = Tools.from_body(body.get("tools"), body.get("tool_choice")) if kind == "chat" else Tools(())
-        prompt = self.chat_prompt(body, tools) if kind == "chat" else self.text_prompt(body)
-        room = self.engine.max_context - len(prompt) - self.engine.decoder.policy.max_width
+        prompts = [(self.chat_prompt(body, tools), None)] if kind == "chat" else self.text_prompts(body)
+        longest = max(len(prompt) for prompt, _ in prompts)
+        room = self.engine.max_context - longest - self.engine.decoder.policy.max_width
         if room < 1:
-            raise ApiError(f"the prompt has {len(prompt)} tokens; the context holds {self.engine.max_context}",
+            raise ApiError(f"the prompt has {longest} tokens; the context holds {self.engine.max_context}",
                            "messages" if kind == "chat" else "prompt", code="context_length_exceeded")
+        echo = kind == "text" and boolean(body, "echo")
         limit_name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
-        max_tokens = number(body, limit_name, room, int, low=1)
+        max_tokens = number(body, limit_name, room, int, low=0 if echo else 1)
         if max_tokens > room:
-            raise ApiError(f"{limit_name} {max_tokens} + the prompt's {len(prompt)} tokens exceed the context of "
+            raise ApiError(f"{limit_name} {max_tokens} + the prompt's {longest} tokens exceed the context of "
                            f"{self.engine.max_context} tokens", limit_name, code="context_length_exceeded")
         sampling = Sampling(
             number(body, "temperature", 1.0, low=0, high=2),
@@ -103,10 +113,13 @@ class Reader:
         if seed is not None:
             seed = number(body, "seed", None, int)
         options = body.get("stream_options") or {}
-        return Job(kind=kind, prompt=prompt, max_tokens=max_tokens, sampling=sampling, seed=seed, stop=tuple(stop),
-                   n=number(body, "n", 1, int, low=1, high=8), stream=bool(body.get("stream", False)),
-                   include_usage=bool(options.get("include_usage", False)),
-                   top_log_probs=self.top_log_probs(body, kind), tools=tools)
+        if kind == "text":
+            unsupported_completion_options(body)
+        texts = tuple(text if text is not None else self.tokenizer.decode(p) for p, text in prompts) if echo else ()
+        return Job(kind=kind, prompts=tuple(prompt for prompt, _ in prompts), max_tokens=max_tokens, sampling=sampling,
+                   seed=seed, stop=tuple(stop), n=number(body, "n", 1, int, low=1, high=8),
+                   stream=boolean(body, "stream"), include_usage=bool(options.get("include_usage", False)),
+                   top_log_probs=self.top_log_probs(body, kind), tools=tools, echo=texts)
 
     def top_log_probs(self, body: dict, kind: str) -> int | None:
         """Chat: ``logprobs`` (true/false) and ``top_logprobs`` (0-20); completions: ``logprobs`` (0-20)."""
@@ -127,15 +140,38 @@ class Reader:
         turns, template_options = template_turns(messages, message_text, self.tokenizer, tools)
         return template_tokens(self.tokenizer, turns, **template_options)
 
-    def text_prompt(self, body: dict) -> list:
+    def text_prompts(self, body: dict) -> list[tuple[list, str | None]]:
+        """``(token ids, text given or None)`` of each prompt: a string, a list of
+        token ids, or a list of either."""
         prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1:
-            prompt = prompt[0]
+        several = isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt)
+        prompts = [self.text_prompt(one) for one in (prompt if several else [prompt])]
+        if len(prompts) > MAX_PROMPTS:
+            raise ApiError(f"{len(prompts)} prompts in one request; at most {MAX_PROMPTS}", "prompt")
+        return prompts
+
+    def text_prompt(self, prompt) -> tuple[list, str | None]:
         if isinstance(prompt, str) and prompt:
-            return self.tokenizer.encode(prompt)
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            return self.tokenizer.encode(prompt), prompt
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             vocab = self.engine.params.spec.target.vocab_size
             if not all(0 <= t < vocab for t in prompt):
                 raise ApiError(f"prompt token ids must be in 0..{vocab - 1}", "prompt")
-            return prompt
-        raise ApiError("'prompt' must be a non-empty string or a list of token ids", "prompt")
+            return prompt, None
+        raise ApiError("'prompt' must be a non-empty string, a list of token ids, or a list of either", "prompt")
+
+
+def boolean(body: dict, name: str) -> bool:
+    value = body.get(name, False)
+    if value is not None and not isinstance(value, bool):
+        raise ApiError(f"'{name}' must be true or false, got {value!r}", name)
+    return bool(value)
+
+
+def unsupported_completion_options(body: dict) -> None:
+    """Completions options this server does not implement are refused, never ignored."""
+    if body.get("suffix"):
+        raise ApiError("'suffix' (insertion) is not supported", "suffix")
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != body.get("n", 1):
+        raise ApiError("'best_of' other than n is not supported: every choice generated is returned", "best_of")
