@@ -350,7 +350,8 @@ def run_serve(args) -> int:
     group = world_group()
     engine = Engine(
         params, max_batch=args.max_batch, max_context=args.max_context,
-        prompt_cache_bytes=args.prompt_cache_mb << 20, group=group, **verify_options(args),
+        prompt_cache_bytes=args.prompt_cache_mb << 20, group=group, max_queue=args.max_queue,
+        queue_timeout=args.queue_timeout, **verify_options(args),
     )
     if group.rank() != 0:  # no clients here: the same engine loop, its inputs from rank 0
         engine.follow()
@@ -449,6 +450,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--no-api-key", action="store_true",
                        help="serve without a key on an address other machines reach (refused otherwise)")
     serve.add_argument("--max-body-mb", type=float, default=16, help="largest request body taken (413 past it)")
+    serve.add_argument("--max-queue", type=int, default=64,
+                       help="requests that may wait for a row; past it new ones get 429 with Retry-After")
+    serve.add_argument("--queue-timeout", type=float, default=600,
+                       help="seconds a request may wait for a row before it ends with a timeout error (504)")
     serve.set_defaults(run=run_serve)
 
     models = commands.add_parser("models", help="list the model aliases")

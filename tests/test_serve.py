@@ -394,6 +394,75 @@ def test_malformed_json(server):
     assert code == 400 and "not valid JSON" in reply["error"]["message"]
 
 
+# ---- prompt scoring: echo with log-probabilities, as lm-eval asks for it
+
+
+def scored_completion(base: str, prompts: list, max_tokens: int, logprobs: int = 1, **extra) -> dict:
+    status, body = post(base + "/v1/completions", json.dumps({
+        "model": MODEL, "prompt": prompts, "echo": True, "logprobs": logprobs, "max_tokens": max_tokens,
+        "temperature": 0, **extra}).encode())
+    assert status == 200, body
+    return body
+
+
+def test_echo_scores_every_prompt_token_then_the_generated_one(server, library, pair):
+    """lm-eval's request (``prompt: [[ids]], echo, logprobs: 1, max_tokens: 1``),
+    two prompts at once: per choice, the prompt's text then the token's,
+    one entry per prompt token (the first without a score, the others
+    mlx-lm's log-softmax of the target's logits at the position before) and
+    one for the generated token, whose top-1 is the greedy token; sums over
+    ``[ctxlen:-1]`` are then the continuation's log-likelihood."""
+    params, tokenizer = library
+    prompts = [tokenizer.encode("the quick brown fox jumps"), tokenizer.encode("hello world, the lazy dog")]
+    reply = scored_completion(server[0], prompts, max_tokens=1)
+    assert [choice["index"] for choice in reply["choices"]] == [0, 1]
+    bound = None
+    for prompt, choice in zip(prompts, reply["choices"]):
+        (token,) = reference_tokens(library, prompt, 1)
+        expected = log_softmax_reference(pair, prompt[:1], prompt[1:] + [token])
+        bound = bound or fp32_bound(expected, layers=8, reduction=320)
+        log_probs = choice["logprobs"]
+        assert len(log_probs["token_logprobs"]) == len(prompt) + 1 and log_probs["token_logprobs"][0] is None
+        wanted = expected[np.arange(len(prompt)), prompt[1:] + [token]]
+        assert np.abs(np.array(log_probs["token_logprobs"][1:]) - wanted).max() <= bound
+        assert choice["text"] == tokenizer.decode(prompt) + continued(tokenizer, prompt, [token])
+        assert "".join(log_probs["tokens"]) == choice["text"]
+        assert log_probs["text_offset"][-1] == len(tokenizer.decode(prompt))
+        assert [len(top) for top in log_probs["top_logprobs"][1:]] == [1] * len(prompt)
+        greedy_top = log_probs["top_logprobs"][-1]
+        assert list(greedy_top.values()) == [log_probs["token_logprobs"][-1]]  # lm-eval's is_greedy reads this
+    assert reply["usage"]["prompt_tokens"] == sum(map(len, prompts)) and reply["usage"]["completion_tokens"] == 2
+
+
+def test_echo_with_no_new_tokens_and_then_the_prompt_cache(server, client, library, pair):
+    """``max_tokens: 0`` with echo scores the prompt and generates nothing;
+    its cache is kept, so a request that continues the prompt reuses it."""
+    params, tokenizer = library
+    prompt = tokenizer.encode("tell me about the lazy dog and the quick brown fox, and the world")
+    (choice,) = scored_completion(server[0], [prompt], max_tokens=0, logprobs=3)["choices"]
+    assert choice["finish_reason"] == "length" and choice["text"] == tokenizer.decode(prompt)
+    assert len(choice["logprobs"]["token_logprobs"]) == len(prompt)
+    tops = choice["logprobs"]["top_logprobs"][1:]  # texts as keys: tokens that decode alike share one
+    assert all(1 <= len(top) <= 3 and max(top.values()) >= lp for top, lp in zip(tops, choice["logprobs"]["token_logprobs"][1:]))
+    follow = client.completions.create(model=MODEL, prompt=prompt + tokenizer.encode(" again"), max_tokens=4,
+                                       temperature=0)
+    assert follow.usage.prompt_tokens_details.cached_tokens >= len(prompt) - 1
+
+
+def test_echo_with_a_row_generates_as_without(server, client, library):
+    """Echo with several new tokens: the scored prompt's cache is the row's
+    prefix, and the tokens are those of the same request without echo."""
+    params, tokenizer = library
+    prompt = tokenizer.encode("the lazy dog")
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, logprobs=0)
+    (choice,) = scored_completion(server[0], [prompt], max_tokens=6, logprobs=0)["choices"]
+    assert choice["text"] == tokenizer.decode(prompt) + plain.choices[0].text
+    assert len(choice["logprobs"]["tokens"]) == len(prompt) + len(plain.choices[0].logprobs.tokens)
+    stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, echo=True,
+                                       stream=True)
+    assert "".join(chunk.choices[0].text for chunk in stream) == choice["text"]
+
+
 def test_a_client_that_leaves_frees_its_row(server, client):
     stream = chat(client, "hello world", max_tokens=400, stream=True)
     next(iter(stream))
@@ -509,3 +578,126 @@ def test_hybrid_conversation_resumes_from_its_stored_state(hybrid):
     assert second.model_extra["dspark"]["prompt_cache_hit"]
     assert len(opening) < second.usage.prompt_tokens_details.cached_tokens < len(opening) + len(reply)
     assert second.choices[0].text == continued(tokenizer, follow_up, greedy_reply(model, tokenizer, follow_up, HYBRID_NEW_TOKENS))
+
+
+# ---- a reply that reaches its stop token
+
+
+@pytest.fixture(scope="module")
+def stopping(tmp_path_factory):
+    """A tiny qwen3 pair served at verify width 4 whose draft knows the
+    target's greedy answer to ``OPENING`` (so rounds carry several tokens),
+    and whose end-of-turn token is that answer's token k, chosen where the
+    round that emits token k - 1 emits token k too (read from the library's
+    own rounds); the server's stop token is then reached inside a round,
+    one past a budget of k tokens. ``(base url, tokenizer, prompt, answer up to k)``."""
+    from dspark_fn.driver import Decoder
+    from helpers import target_config
+
+    root = tmp_path_factory.mktemp("stopping")
+    config = target_config("qwen3", vocab=320, hidden=64, layers=4, heads=4, kv_heads=2, head_dim=16)
+    model = build_target(root / "target", config, seed=3, vector_spread=0.4)
+    qwen_tokenizer(root / "target")
+    tokenizer = load_tokenizer(root / "target")
+    prompt = tokenizer.encode(OPENING)
+    answer = mlx_lm_greedy(model, prompt, 40)
+    memorising_draft(root / "draft", config, prompt + answer)
+    params = dspark_fn.catalog.load_named(str(root / "target"), str(root / "draft"), dtype=mx.float32)[0]
+    decoder = Decoder(params, 1, width=4)
+    ends = [len(decoder.insert([0], [prompt]).emitted[0])]
+    while ends[-1] < len(answer):
+        ends.append(ends[-1] + len(decoder.step().emitted[0]))
+    firsts = set(ends)  # the index of each round's first token
+    special = set(stop_tokens(tokenizer)) | set(tokenizer.encode("<|endoftext|><|im_start|>"))
+    k = next(k for k in range(3, len(answer)) if k not in firsts and answer[k] not in answer[:k] + prompt
+             and answer[k] < len(tokenizer._tokenizer) and answer[k] not in special)
+    settings = json.loads((root / "target" / "tokenizer_config.json").read_text())
+    settings["eos_token"] = tokenizer._tokenizer.convert_ids_to_tokens(answer[k])
+    (root / "target" / "tokenizer_config.json").write_text(json.dumps(settings))
+    tokenizer = load_tokenizer(root / "target")
+    assert stop_tokens(tokenizer) == [answer[k]]
+    with running_server(root, max_batch=2, verify=4) as (base, _, _):
+        yield base, tokenizer, prompt, answer[: k + 1]
+
+
+def test_log_probs_of_a_reply_ending_at_its_stop_token_list_its_text_only(stopping):
+    base, tokenizer, prompt, answer = stopping
+    status, reply = post(base + "/v1/completions", json.dumps({
+        "prompt": prompt, "max_tokens": 30, "temperature": 0, "logprobs": 0}).encode())
+    (choice,) = reply["choices"]
+    assert status == 200 and choice["finish_reason"] == "stop"
+    assert reply["usage"]["completion_tokens"] == len(answer)  # the stop token counted, not shown
+    assert choice["text"] == continued(tokenizer, prompt, answer)
+    assert len(choice["logprobs"]["tokens"]) == len(choice["logprobs"]["token_logprobs"]) == len(answer) - 1
+
+
+def test_a_stop_token_one_past_the_budget_ends_by_length(stopping):
+    """The round that emits the budget's last token carries the stop token
+    next: the reply ends by its length, and one token more ends by the stop."""
+    base, tokenizer, prompt, answer = stopping
+    for budget, finish in ((len(answer) - 1, "length"), (len(answer), "stop")):
+        status, reply = post(base + "/v1/completions", json.dumps({
+            "prompt": prompt, "max_tokens": budget, "temperature": 0}).encode())
+        assert (reply["choices"][0]["finish_reason"], reply["usage"]["completion_tokens"]) == (finish, budget)
+        assert reply["dspark"]["acceptance_rate"] > 0.5  # rounds of several tokens
+
+
+def test_echo_lists_a_generated_stop_token(stopping):
+    """lm-eval reads one entry past the prompt: when the next token is the
+    stop token, that entry is the stop token's."""
+    base, tokenizer, prompt, answer = stopping
+    context = prompt + answer[:-1]
+    status, reply = post(base + "/v1/completions", json.dumps({
+        "prompt": [context], "echo": True, "logprobs": 1, "max_tokens": 1, "temperature": 0}).encode())
+    (choice,) = reply["choices"]
+    assert choice["finish_reason"] == "stop" and len(choice["logprobs"]["token_logprobs"]) == len(context) + 1
+    assert choice["logprobs"]["tokens"][-1] == tokenizer.decode([answer[-1]])
+    assert choice["text"] == tokenizer.decode(context)
+
+
+# ---- overload: a bounded queue
+
+
+def test_a_burst_past_the_queue_is_refused_at_once_and_the_rest_answered(pair, library):
+    """Twice ``--max-queue`` requests at once on a server of one row: those
+    past the queue get 429 with Retry-After within a second, the others
+    answer as the library does, and /health counts the refusals and never
+    shows more waiting than the bound."""
+    max_queue, texts = 3, ["hello", "lazy dog jumps", "brown fox", "world world", "quick", "the dog"]
+    with running_server(pair, max_batch=1, extra=("--max-queue", str(max_queue))) as (base, _, _):
+        outcomes, barrier = [None] * len(texts), threading.Barrier(len(texts))
+
+        def ask(i):
+            body = {"model": MODEL, "messages": [{"role": "user", "content": texts[i]}], "max_tokens": 24,
+                    "temperature": 0}
+            request = urllib.request.Request(base + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                             headers={"content-type": "application/json"})
+            barrier.wait()
+            start = time.monotonic()
+            try:
+                with urllib.request.urlopen(request, timeout=120) as response:
+                    outcomes[i] = (response.status, json.loads(response.read()), {}, time.monotonic() - start)
+            except urllib.error.HTTPError as error:
+                outcomes[i] = (error.code, json.loads(error.read()), dict(error.headers), time.monotonic() - start)
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(texts))]
+        for thread in threads:
+            thread.start()
+        waiting = []
+        while any(thread.is_alive() for thread in threads):
+            health = get_json(base + "/health")
+            waiting.append(health["queue"]["waiting"])
+            assert health["status"] == "ok"
+        for thread in threads:
+            thread.join()
+        refused = [o for o in outcomes if o[0] == 429]
+        answered = [(i, o) for i, o in enumerate(outcomes) if o[0] == 200]
+        assert len(refused) + len(answered) == len(texts) and len(refused) >= len(texts) - max_queue - 1
+        assert len(answered) >= max_queue
+        for status, body, headers, seconds in refused:
+            assert seconds < 1 and headers["retry-after"] == "1" and body["error"]["code"] == "queue_full"
+        for i, (_, body, _, _) in answered:
+            assert body["choices"][0]["message"]["content"] == reference_text(library, texts[i], 24)
+        health = get_json(base + "/health")
+        assert health["queue"]["refused"] == len(refused) and max(waiting) <= max_queue
+        assert health["queue"]["waiting"] == 0 and health["active"] == 0

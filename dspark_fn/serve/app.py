@@ -35,7 +35,7 @@ from . import messages as anthropic
 from . import responses
 from .access import Door
 from .detokenizer import ContinuingText, text_after
-from .engine import Engine, EngineFailure, Request
+from .engine import Engine, EngineFailure, QueueFull, QueueTimeout, Request
 from .errors import ApiError, server_error
 from .tools import CallReader, openai_call
 from .validation import Job, Reader
@@ -76,15 +76,22 @@ class Api:
     # ---- running
 
     def submit(self, job: Job) -> list[Request]:
-        """``n`` requests per prompt, in choice order (prompt by prompt)."""
+        """``n`` requests per prompt, in choice order (prompt by prompt), all
+        queued or none (a full queue: those queued already are cancelled)."""
         prompts = [prompt for prompt in job.prompts for _ in range(job.n)]
         seeds = [job.seed + i if job.seed is not None else secrets.randbits(31) for i in range(len(prompts))]
-        return [
-            self.engine.submit(Request(prompt=prompt, max_tokens=job.max_tokens, sampling=job.sampling, seed=seed,
-                                       stop_tokens=self.stop_ids, top_log_probs=job.top_log_probs,
-                                       score_prompt=job.scores_prompt))
-            for prompt, seed in zip(prompts, seeds)
-        ]
+        requests = [Request(prompt=prompt, max_tokens=job.max_tokens, sampling=job.sampling, seed=seed,
+                            stop_tokens=self.stop_ids, top_log_probs=job.top_log_probs, score_prompt=job.scores_prompt)
+                    for prompt, seed in zip(prompts, seeds)]
+        try:
+            for request in requests:
+                self.engine.submit(request)
+        except QueueFull as full:
+            for request in requests:
+                request.cancel()
+            raise ApiError(str(full), status=429, code="queue_full", kind="rate_limit_exceeded",
+                           headers={"Retry-After": str(full.retry_after)}) from None
+        return requests
 
     def echoed(self, job: Job, index: int) -> str | None:
         """The prompt text choice ``index`` starts with (completions with echo)."""
@@ -111,6 +118,9 @@ class Api:
             kind, value, scores = await asyncio.to_thread(request.events.get)
             if kind == "error":
                 raise EngineFailure(f"the decoding engine failed: {value}")
+            if kind == "timeout":
+                raise QueueTimeout(f"the request waited {value:g} s for a row without getting one; the server is "
+                                   f"busy: retry later")
             if kind == "prompt":
                 yield Piece(echo, scored=self.prompt_scored(request.prompt, scores))
                 continue
@@ -354,7 +364,7 @@ def error_response(error: Exception, path: str) -> JSONResponse:
     shape; anything unforeseen propagates (a 500)."""
     if isinstance(error, ApiError):
         return error.response(path)
-    if isinstance(error, EngineFailure):
+    if isinstance(error, (EngineFailure, QueueTimeout)):
         return server_error(error).response(path)
     if isinstance(error, ValueError):  # raised by the engine or sampling checks
         return ApiError(str(error)).response(path)

@@ -5,7 +5,7 @@ OpenAI's ``{"error": {"message", "type", "param", "code"}}`` or Anthropic's
 
 from fastapi.responses import JSONResponse
 
-from .engine import EngineFailure
+from .engine import RETRY_AFTER, EngineFailure, QueueTimeout
 
 ANTHROPIC_PATHS = "/v1/messages"
 
@@ -38,6 +38,10 @@ class ApiError(Exception):
 
 
 def server_error(error: Exception) -> ApiError:
-    """A request that failed after it was accepted: a 500."""
+    """A request that failed after it was accepted: a 500, or a 504 when it
+    waited for a row past the queue's bound."""
+    if isinstance(error, QueueTimeout):
+        return ApiError(str(error), status=504, code="queue_timeout", kind="timeout_error",
+                        headers={"Retry-After": str(RETRY_AFTER)})
     code = "engine_failure" if isinstance(error, EngineFailure) else None
     return ApiError(str(error), status=500, code=code, kind="server_error")
