@@ -128,8 +128,11 @@ def lm_eval(model: str, model_args: str, tasks: str, tasks_dir: Path, out: Path,
 
 
 def samples(out: Path, task: str) -> list:
+    """``(arguments, responses)`` per logged document: its requests' arguments and the server's answers."""
     (path,) = out.rglob(f"samples_{task}_*.jsonl")
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    logged = [json.loads(line) for line in path.read_text().splitlines()]
+    return [([tuple(args.values()) for args in sample["arguments"].values()], [r[0] for r in sample["resps"]])
+            for sample in logged]
 
 
 def log_likelihood(model, context: list, continuation: list) -> tuple[float, bool, float]:
@@ -137,24 +140,27 @@ def log_likelihood(model, context: list, continuation: list) -> tuple[float, boo
     logits = model(mx.array([context + continuation]))[0, len(context) - 1 : -1].astype(mx.float32)
     scores = np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
     chosen = scores[np.arange(len(continuation)), continuation]
-    bound = fp32_bound(scores, layers=len(model.layers), reduction=scores.shape[-1]) * len(continuation)
+    # the bound of one log-probability at the scale of those compared, once per token summed
+    bound = fp32_bound(chosen, layers=len(model.layers), reduction=scores.shape[-1]) * len(continuation)
     return float(chosen.sum()), bool((scores.argmax(-1) == np.array(continuation)).all()), bound
 
 
 def check_log_likelihoods(model, encoder, out: Path) -> int:
     """Every (context, continuation) lm-eval scored: its log-likelihood and greediness against mlx-lm's."""
-    wrong, worst = 0, 0.0
+    wrong = 0
     for task in ("dspark_choice", "dspark_continue"):
-        for sample in samples(out, task):
-            for (context, continuation), response in zip(sample["arguments"], sample["resps"]):
-                served, greedy = response[0]
+        worst, closest = 0.0, 0.0  # the largest difference, and the largest as a share of its bound
+        for arguments, responses in samples(out, task):
+            for (context, continuation), (served, greedy) in zip(arguments, responses):
+                served, greedy = float(served), greedy == "True"
                 expected, expected_greedy, bound = log_likelihood(model, *encoder._encode_pair(context, continuation))
-                worst = max(worst, abs(served - expected))
+                worst, closest = max(worst, abs(served - expected)), max(closest, abs(served - expected) / bound)
                 if abs(served - expected) > bound or greedy != expected_greedy:
                     wrong += 1
                     print(f"{task}: {context!r} + {continuation!r}: served {served:.6f} ({greedy}), mlx-lm "
                           f"{expected:.6f} ({expected_greedy}), bound {bound:.2e}")
-        print(f"{task}: {len(samples(out, task))} items; largest |served - mlx-lm| {worst:.2e}")
+        print(f"{task}: {len(samples(out, task))} items; largest |served - mlx-lm| {worst:.2e}, at most "
+              f"{closest:.1e} of its fp32 bound")
     return wrong
 
 
@@ -170,22 +176,18 @@ def greedy_answer(model, tokenizer, messages: list) -> str:
 
 def check_answers(model, tokenizer, out: Path) -> int:
     wrong = 0
-    for sample in samples(out, "dspark_answer"):
-        (arguments,), (response,) = sample["arguments"], sample["resps"]
-        messages = json.loads(arguments[0])
+    for ((context, _),), (served,) in samples(out, "dspark_answer"):
+        messages = json.loads(context[0])
         expected = greedy_answer(model, tokenizer, messages)
-        if response[0] != expected:
+        if served != expected:
             wrong += 1
-            print(f"dspark_answer: {messages!r}: served {response[0]!r}, mlx-lm {expected!r}")
+            print(f"dspark_answer: {messages!r}: served {served!r}, mlx-lm {expected!r}")
     print(f"dspark_answer: {len(samples(out, 'dspark_answer'))} answers compared")
     return wrong
 
 
-def main() -> int:
-    from lm_eval.models.openai_completions import LocalCompletionsAPI
-    from mlx_lm.utils import load
-
-    root = Path(tempfile.mkdtemp(prefix="lm_eval_check_"))
+def run(root: Path) -> Path:
+    """lm-eval's runs against a server of the exported target; returns the target's directory."""
     target = export_target(root / "target")
     write_tasks(root)
     port = free_port()
@@ -199,11 +201,26 @@ def main() -> int:
     finally:
         server.terminate()
         server.wait(60)
+    return target
+
+
+def check(root: Path, target: Path) -> int:
+    """The items of lm-eval's logged samples in ``root`` that differ from mlx-lm's."""
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+    from mlx_lm.utils import load
+
     model, tokenizer = load(str(target))
     model.set_dtype(mx.float32)
-    encoder = LocalCompletionsAPI(base_url=f"{base}/completions", model=str(target), tokenizer=str(target),
-                                  tokenizer_backend="huggingface")
-    wrong = check_log_likelihoods(model, encoder, root / "scores") + check_answers(model, tokenizer, root / "answers")
+    encoder = LocalCompletionsAPI(base_url="http://127.0.0.1:1/v1/completions", model=str(target),
+                                  tokenizer=str(target), tokenizer_backend="huggingface")
+    return check_log_likelihoods(model, encoder, root / "scores") + check_answers(model, tokenizer, root / "answers")
+
+
+def main() -> int:
+    """``python bench/lm_eval_check.py [DIR]``: a fresh run, or only the checks of the run left in DIR."""
+    root = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(tempfile.mkdtemp(prefix="lm_eval_check_"))
+    target = root / "target" if len(sys.argv) > 1 else run(root)
+    wrong = check(root, target)
     print("identical to mlx-lm" if not wrong else f"{wrong} items differ from mlx-lm", f"(files in {root})")
     return 1 if wrong else 0
 
