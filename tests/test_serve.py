@@ -658,46 +658,61 @@ def test_echo_lists_a_generated_stop_token(stopping):
 # ---- overload: a bounded queue
 
 
-def test_a_burst_past_the_queue_is_refused_at_once_and_the_rest_answered(pair, library):
-    """Twice ``--max-queue`` requests at once on a server of one row: those
-    past the queue get 429 with Retry-After within a second, the others
-    answer as the library does, and /health counts the refusals and never
-    shows more waiting than the bound."""
-    max_queue, texts = 3, ["hello", "lazy dog jumps", "brown fox", "world world", "quick", "the dog"]
-    with running_server(pair, max_batch=1, extra=("--max-queue", str(max_queue))) as (base, _, _):
-        outcomes, barrier = [None] * len(texts), threading.Barrier(len(texts))
+BURST = ["hello", "lazy dog jumps", "brown fox", "world world", "quick", "the dog"]
 
-        def ask(i):
-            body = {"model": MODEL, "messages": [{"role": "user", "content": texts[i]}], "max_tokens": 24,
-                    "temperature": 0}
-            request = urllib.request.Request(base + "/v1/chat/completions", data=json.dumps(body).encode(),
-                                             headers={"content-type": "application/json"})
-            barrier.wait()
-            start = time.monotonic()
-            try:
-                with urllib.request.urlopen(request, timeout=120) as response:
-                    outcomes[i] = (response.status, json.loads(response.read()), {}, time.monotonic() - start)
-            except urllib.error.HTTPError as error:
-                outcomes[i] = (error.code, json.loads(error.read()), dict(error.headers), time.monotonic() - start)
 
-        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(texts))]
-        for thread in threads:
-            thread.start()
-        waiting = []
-        while any(thread.is_alive() for thread in threads):
-            health = get_json(base + "/health")
-            waiting.append(health["queue"]["waiting"])
-            assert health["status"] == "ok"
-        for thread in threads:
-            thread.join()
-        refused = [o for o in outcomes if o[0] == 429]
-        answered = [(i, o) for i, o in enumerate(outcomes) if o[0] == 200]
-        assert len(refused) + len(answered) == len(texts) and len(refused) >= len(texts) - max_queue - 1
-        assert len(answered) >= max_queue
-        for status, body, headers, seconds in refused:
-            assert seconds < 1 and headers["retry-after"] == "1" and body["error"]["code"] == "queue_full"
-        for i, (_, body, _, _) in answered:
-            assert body["choices"][0]["message"]["content"] == reference_text(library, texts[i], 24)
+def burst(base: str) -> tuple[list, list]:
+    """``BURST`` as concurrent chat requests, started together: each one's
+    ``(status, body, headers, seconds)``, and the queue lengths /health showed meanwhile."""
+    outcomes, barrier = [None] * len(BURST), threading.Barrier(len(BURST))
+
+    def ask(i):
+        body = {"model": MODEL, "messages": [{"role": "user", "content": BURST[i]}], "max_tokens": 24,
+                "temperature": 0}
+        request = urllib.request.Request(base + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                         headers={"content-type": "application/json"})
+        barrier.wait()
+        start = time.monotonic()
+        try:
+            with urllib.request.urlopen(request, timeout=120) as response:
+                outcomes[i] = (response.status, json.loads(response.read()), {}, time.monotonic() - start)
+        except urllib.error.HTTPError as error:
+            outcomes[i] = (error.code, json.loads(error.read()), dict(error.headers), time.monotonic() - start)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(BURST))]
+    for thread in threads:
+        thread.start()
+    waiting = []
+    while any(thread.is_alive() for thread in threads):
         health = get_json(base + "/health")
-        assert health["queue"]["refused"] == len(refused) and max(waiting) <= max_queue
-        assert health["queue"]["waiting"] == 0 and health["active"] == 0
+        assert health["status"] == "ok"
+        waiting.append(health["queue"]["waiting"])
+    for thread in threads:
+        thread.join()
+    return outcomes, waiting
+
+
+def test_a_burst_past_the_queue_is_refused_at_once_and_the_rest_answered(pair, library):
+    """Twice ``--max-queue`` requests at once on a server of one row, twice:
+    those past the queue get 429 with Retry-After within a second, the
+    others answer as the library does; /health counts the refusals, never
+    shows more waiting than the bound, and the resident memory after the
+    second burst is within 5 % of that after the first."""
+    max_queue, refusals, memory = len(BURST) // 2, 0, []
+    with running_server(pair, max_batch=1, extra=("--max-queue", str(max_queue))) as (base, _, _):
+        for _ in range(2):
+            outcomes, waiting = burst(base)
+            refused = [o for o in outcomes if o[0] == 429]
+            answered = [(i, o) for i, o in enumerate(outcomes) if o[0] == 200]
+            assert len(refused) + len(answered) == len(BURST) and len(refused) >= len(BURST) - max_queue - 1
+            assert len(answered) >= max_queue and max(waiting) <= max_queue
+            for status, body, headers, seconds in refused:
+                assert seconds < 1 and headers["retry-after"] == "1" and body["error"]["code"] == "queue_full"
+            for i, (_, body, _, _) in answered:
+                assert body["choices"][0]["message"]["content"] == reference_text(library, BURST[i], 24)
+            refusals += len(refused)
+            health = get_json(base + "/health")
+            assert health["queue"]["refused"] == refusals
+            assert health["queue"]["waiting"] == 0 and health["active"] == 0
+            memory.append(health["memory"]["resident_bytes"])
+    assert memory[1] <= memory[0] * 1.05

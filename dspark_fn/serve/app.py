@@ -97,7 +97,7 @@ class Api:
         """The prompt text choice ``index`` starts with (completions with echo)."""
         return job.echo[index // job.n] if job.echo else None
 
-    def prompt_scored(self, prompt: list, scores: list | None) -> list:
+    def prompt_scored(self, prompt: list, scores: list) -> list:
         """Echoed prompt tokens as scored entries: the first has no score."""
         return [(token, score, prompt[i - 1 : i]) for i, (token, score) in enumerate(zip(prompt, [None, *scores]))]
 
