@@ -580,6 +580,24 @@ def test_hybrid_conversation_resumes_from_its_stored_state(hybrid):
     assert second.choices[0].text == continued(tokenizer, follow_up, greedy_reply(model, tokenizer, follow_up, HYBRID_NEW_TOKENS))
 
 
+def test_hybrid_echo_scores_the_prompt_and_generates_as_mlx_lm(hybrid):
+    """Echo with log-probabilities and several new tokens on a recurrent
+    target: the prompt scored as mlx-lm's log-softmax, the tokens after it
+    mlx-lm's greedy ones (the scored prefill's states are those after the
+    whole prompt, so the row does not go on from them cut short)."""
+    client, base, model, tokenizer, name, _ = hybrid
+    prompt = chat_tokens(tokenizer, "the lazy dog jumps over the quick brown fox")
+    status, reply = post(base + "/v1/completions", json.dumps({
+        "model": name, "prompt": [prompt], "echo": True, "logprobs": 1, "max_tokens": 8, "temperature": 0}).encode())
+    (choice,) = reply["choices"]
+    answer = greedy_reply(model, tokenizer, prompt, 8)
+    assert choice["text"] == tokenizer.decode(prompt) + continued(tokenizer, prompt, answer)
+    logits = model(mx.array([prompt]))[0, :-1].astype(mx.float32)
+    expected = np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))[np.arange(len(prompt) - 1), prompt[1:]]
+    served = np.array(choice["logprobs"]["token_logprobs"][1 : len(prompt)])
+    assert np.abs(served - expected).max() <= fp32_bound(expected, layers=6, reduction=320)
+
+
 # ---- a reply that reaches its stop token
 
 

@@ -448,7 +448,10 @@ class Engine:
                 self.decoder.reset_policy()
             self.rows[row] = (request, list(request.prompt))  # in the batch from here: a failure ends it too
             if request.score_prompt:  # its prompt scored at every position: nothing of it comes from the cache
-                prefix = self._score(request)[0]._replace(length=mx.array([len(request.prompt) - 1], mx.int32))
+                scored = self._score(request)[0]  # the row goes on from it, all but the last token (prefilled
+                # again for the first new one): a recurrent state holds only after every token, so not there
+                prefix = None if scored.recurrent else scored._replace(
+                    length=mx.array([len(request.prompt) - 1], mx.int32))
             else:
                 prefix = self.prompt_cache.lookup(request.prompt)
                 request.cached_tokens = int(prefix.length.item()) if prefix is not None else 0
