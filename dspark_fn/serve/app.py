@@ -150,20 +150,18 @@ class Api:
     def usage(self, job: Job, requests: list[Request]) -> dict:
         completion = sum(r.produced for r in requests)
         prompt = sum(len(r.prompt) for r in requests)
-        rounds = [r.acceptance for r in requests]
-        emitted, count = sum(a.emitted for a in rounds), sum(a.rounds for a in rounds)
-        accepted, drafted = sum(a.accepted for a in rounds), sum(a.drafted for a in rounds)
+        acceptance = combined(r.acceptance for r in requests)
         return {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in requests)},
         }, {
-            "tau": emitted / count if count else 0.0,
-            "acceptance_rate": accepted / drafted if drafted else 0.0,
-            "rounds": count,
+            "tau": acceptance.tau,
+            "acceptance_rate": acceptance.acceptance_rate,
+            "rounds": acceptance.rounds,
             "prompt_cache_hit": any(r.cached_tokens for r in requests),
-            "sources": combined(rounds).sources(),
+            "sources": acceptance.sources(),
         }
 
     def envelope(self, job: Job, ident: str, created: int, chunk: bool) -> dict:
