@@ -338,6 +338,8 @@ def run_serve(args) -> int:
         from .serve.engine import Engine
     except ImportError as missing:
         raise SystemExit(f"dspark serve needs its extra: pip install 'dspark-fn[serve]' ({missing})") from None
+    from .catalog import resolve
+
     keys = read_keys(args.api_key, args.api_key_file)
     if not keys and not is_loopback(args.host) and not args.no_api_key:
         raise SystemExit(f"dspark: --host {args.host} lets other machines reach the server, and it has no API key: "
@@ -357,7 +359,7 @@ def run_serve(args) -> int:
         engine.follow()
         return 1 if engine.dead else 0
     print(f"dspark: serving {name} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
-    options = dict(fingerprint=system_fingerprint(name, args.draft or "its published draft"), api_keys=keys,
+    options = dict(fingerprint=system_fingerprint(name, resolve(args.model, args.draft)[1]), api_keys=keys,
                    max_body_bytes=int(args.max_body_mb * (1 << 20)))
     if serve(engine, tokenizer, name, args.host, args.port, **options):
         raise SystemExit(f"dspark: the decoding engine failed and could not start again ({engine.failure})")

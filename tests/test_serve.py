@@ -177,6 +177,8 @@ def test_greedy_chat_equals_the_library(client, library):
     assert reply.choices[0].message.content == reference_text(library, "hello world", 24)
     assert reply.usage.completion_tokens <= 24 and reply.usage.prompt_tokens > 0
     assert reply.model_extra["dspark"]["rounds"] >= 1
+    assert reply.system_fingerprint.startswith("dspark_fn ") and f"target {MODEL}; draft {MODEL[:-len('target')]}draft" \
+        in reply.system_fingerprint
 
 
 def test_stream_carries_the_same_text(client, library):
