@@ -321,7 +321,7 @@ def run_train(args) -> int:
         feature_taps=tuple(args.feature_taps) if args.feature_taps else None, markov_rank=args.markov_rank, draft_vocab=args.draft_vocab, answer_tokens=args.tokens,
         max_new_tokens=args.max_tokens, sources=tuple(args.sources.split(",")), prompts_file=args.prompts,
         answer_batch=args.answer_batch, shard_rows=args.shard_rows, held_out=args.held_out, init_draft=args.init_draft,
-        feature_workers=args.feature_workers,
+        feature_workers=args.feature_workers, held_out_file=args.held_out_prompts,
     )
     config = TrainConfig(steps=args.steps, learning_rate=args.lr, sequences_per_step=args.batch,
                          checkpoint_every=args.checkpoint_every, steps_per_shard=args.steps_per_shard)
@@ -420,6 +420,8 @@ def build_parser() -> argparse.ArgumentParser:
     fit.add_argument("--steps-per-shard", type=int, default=25, help="consecutive steps drawn from one feature shard")
     fit.add_argument("--checkpoint-every", type=int, default=250, help="steps between checkpoints and tau checks")
     fit.add_argument("--held-out", type=int, default=8, help="last bundled prompts kept for the tau check")
+    fit.add_argument("--held-out-prompts", help="a .jsonl of prompts (turns or prompt per line) never trained on, "
+                     "whose answers score tau instead (e.g. corpus/held-out.jsonl)")
     fit.add_argument("--init-draft", help="start from this draft's weights with a fresh optimizer (a warm restart)")
     fit.add_argument("--resume", action="store_true", help="kept for old scripts: training continues the "
                      "checkpoint in --out by itself")
