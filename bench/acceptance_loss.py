@@ -149,6 +149,25 @@ def family_row(family: str, totals: dict, coverage: dict, capped: list) -> dict:
     }
 
 
+def markdown(rows: list) -> str:
+    """The per-family numbers as BENCHMARK.md's table."""
+    percent = lambda x: f"{100 * x:.1f}%"  # noqa: E731
+    lines = ["| family | prompts | target tokens in draft vocab / top 8,192 / top 16,384 | vocab-capped tau | "
+             "tau, default policy | rounds: draft / copy / none | tau where drafted / copied | tau, draft alone | "
+             "alpha per slot (given the slot before) | rejections outside vocab | tau by position: 0-31 / 32-63 / "
+             "64-95 / 96-127 |", "|" + "---|" * 11]
+    for row in rows:
+        lines.append(
+            f"| {row['family']} | {row['prompts']} | {percent(row['in draft vocab'])} / {percent(row['in top 8192'])} / "
+            f"{percent(row['in top 16384'])} | {row['vocab-capped tau']:.2f} | {row['tau (default policy)']:.2f} | "
+            + " / ".join(f"{100 * x:.0f}%" for x in row["rounds draft / copy / none"])
+            + f" | {row['tau where drafted']:.2f} / {row['tau where copied']:.2f} | {row['tau (draft alone)']:.2f} | "
+            + " / ".join(f"{x:.2f}" for x in row["alpha per slot"])
+            + f" | {percent(row['rejections outside vocab'])} | "
+            + " / ".join(f"{x:.2f}" for x in row["tau by position"]) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     params, tokenizer, _ = load_named(None, DRAFT)
     stops = stop_tokens(tokenizer)
@@ -175,6 +194,7 @@ def main() -> None:
             capped.append(vocabulary_capped_tau(tokens, vocab, totals["slots"]))
         rows.append(family_row(family, totals, coverage, capped))
         print(json.dumps(rows[-1]), flush=True)
+    print(markdown(rows))
     if os.environ.get("JSON"):
         Path(os.environ["JSON"]).write_text(json.dumps(rows, indent=1))
 
