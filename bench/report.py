@@ -13,7 +13,8 @@ SPEED_N (prompts for the speed comparison, default 10), REPEATS (default 3),
 DRAFTS (comma-separated draft directories that `speed` measures after the bundled one,
 e.g. from `dspark train`), DATASETS (comma-separated bundled sets for `speed`, default all five),
 PROPOSALS (comma-separated proposal sources that `speed` measures: auto, draft, copy; default auto),
-TEMP (`speed` samples at this temperature in both engines, mlx-lm with its own sampler; default 0: greedy).
+TEMPERATURE (`speed` samples at it in both engines, mlx-lm with its own sampler; default 0: greedy; not TEMP,
+which names the temporary directory).
 """
 
 import os
@@ -99,7 +100,7 @@ def default() -> None:
 
 DATASETS = tuple(os.environ.get("DATASETS", "gsm8k,humaneval,math500,mbpp,mt-bench").split(","))
 PROPOSALS = tuple(os.environ.get("PROPOSALS", "auto").split(","))
-TEMP = float(os.environ.get("TEMP", 0))  # speed: sample at this temperature, both engines (0: greedy)
+TEMPERATURE = float(os.environ.get("TEMPERATURE", 0))  # speed: both engines sample at it (0: greedy)
 
 
 def source_cells(summary: dict) -> str:
@@ -169,11 +170,12 @@ def speed() -> None:
     pairs = {d or "bundled": load_named(None, d) for d in drafts}
     _, tokenizer, config = pairs["bundled"]
     model = mlx_lm_model(config, pairs["bundled"][0].target)
-    sampled = {"sampling": Sampling(temperature=TEMP)} if TEMP else {}
-    decoding = f"temperature {TEMP} (tokens not compared)" if TEMP else "greedy"
+    sampled = {"sampling": Sampling(temperature=TEMPERATURE)} if TEMPERATURE else {}
+    decoding = f"temperature {TEMPERATURE} (tokens not compared)" if TEMPERATURE else "greedy"
     print(f"embedded target, default policy, {decoding}, {SPEED_N} prompts per dataset, {TOKENS} new tokens, "
           f"medians of {REPEATS} repeats ({machine()})\n")
-    print("| dataset | draft | proposals | mlx-lm greedy tokens/s | dspark_fn tokens/s | speedup | tau | "
+    print(f"| dataset | draft | proposals | mlx-lm {'sampled' if TEMPERATURE else 'greedy'} tokens/s | dspark_fn tokens/s | "
+          "speedup | tau | "
           "rounds: draft / copy / none | tau: draft / copy | identical |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     candidates = {name: params for name, (params, _, _) in pairs.items()}
