@@ -321,10 +321,11 @@ def run_train(args) -> int:
         feature_taps=tuple(args.feature_taps) if args.feature_taps else None, markov_rank=args.markov_rank, draft_vocab=args.draft_vocab, answer_tokens=args.tokens,
         max_new_tokens=args.max_tokens, sources=tuple(args.sources.split(",")), prompts_file=args.prompts,
         answer_batch=args.answer_batch, shard_rows=args.shard_rows, held_out=args.held_out, init_draft=args.init_draft,
-        feature_workers=args.feature_workers,
+        feature_workers=args.feature_workers, held_out_file=args.held_out_prompts,
     )
     config = TrainConfig(steps=args.steps, learning_rate=args.lr, sequences_per_step=args.batch,
-                         checkpoint_every=args.checkpoint_every, steps_per_shard=args.steps_per_shard)
+                         checkpoint_every=args.checkpoint_every, steps_per_shard=args.steps_per_shard,
+                         loss_weights=tuple(args.loss_weights))
     distill(args.model, args.out, setup, config,
            log=lambda line: print(line, file=sys.stderr, flush=True), progress=progress)
     print(f"dspark: draft written to {args.out}/draft", file=sys.stderr)
@@ -428,9 +429,13 @@ def build_parser() -> argparse.ArgumentParser:
     fit.add_argument("--steps", type=int, default=1000, help="optimizer steps")
     fit.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (4%% warmup, cosine decay)")
     fit.add_argument("--batch", type=int, default=8, help="sequences per step (16 anchor blocks each)")
+    fit.add_argument("--loss-weights", type=float, nargs=3, default=[0.1, 0.9, 1.0], metavar=("CE", "L1", "CONFIDENCE"),
+                     help="the loss mix: cross-entropy on the target's token, L1 to its top-16, confidence BCE")
     fit.add_argument("--steps-per-shard", type=int, default=25, help="consecutive steps drawn from one feature shard")
     fit.add_argument("--checkpoint-every", type=int, default=250, help="steps between checkpoints and tau checks")
     fit.add_argument("--held-out", type=int, default=8, help="last bundled prompts kept for the tau check")
+    fit.add_argument("--held-out-prompts", help="a .jsonl of prompts (turns or prompt per line) never trained on, "
+                     "whose answers score tau instead (e.g. corpus/held-out.jsonl)")
     fit.add_argument("--init-draft", help="start from this draft's weights with a fresh optimizer (a warm restart)")
     fit.add_argument("--resume", action="store_true", help="kept for old scripts: training continues the "
                      "checkpoint in --out by itself")
