@@ -24,7 +24,7 @@ _EXPORTS = {
     "ARCH_REGISTRY": "drafts", "DraftArch": "interfaces", "register_arch": "drafts", "resolve_arch": "drafts",
     "Decoder": "driver", "generate": "driver",
     "capacity_for": "buffers", "grow_cache": "buffers", "init_cache": "buffers",
-    "insert": "prefilling", "prefill": "prefilling",
+    "insert": "prefilling", "prefill": "prefilling", "score_prompt": "prefilling",
     "draft_block": "rounds", "propose": "rounds", "speculate": "rounds", "verify": "rounds",
     "verify_and_commit": "rounds", "verify_block": "rounds",
     "TRACE_COUNTS": "kernel",
@@ -32,8 +32,8 @@ _EXPORTS = {
     "CostCurve": "schedule", "Planner": "schedule",
     "TARGET_REGISTRY": "targets", "TargetAdapter": "interfaces", "register_target": "targets",
     "resolve_target": "targets",
-    "Copies": "types", "DraftBlock": "types", "Ended": "types", "Event": "types", "PairSpec": "types", "Params": "types",
-    "Proposal": "types", "Round": "types", "Step": "types",
+    "Copies": "types", "DraftBlock": "types", "Ended": "types", "Event": "types", "PairSpec": "types",
+    "Params": "types", "Proposal": "types", "Round": "types", "Step": "types",
 }
 
 
@@ -79,6 +79,7 @@ __all__ = [
     "propose",
     "register_arch",
     "register_target",
+    "score_prompt",
     "resolve_arch",
     "resolve_target",
     "speculate",

@@ -297,7 +297,8 @@ class Planner:
         if not 1 <= self.max_width <= block_size + 1:
             raise ValueError(f"verify width {self.max_width} must be in 1..{block_size + 1}")
         if self.auto and costs is None:
-            raise ValueError("width 'auto' plans from a cost curve: give costs (a CostCurve or a function measuring one)")
+            raise ValueError("width 'auto' plans from a cost curve: give costs (a CostCurve, or a function that "
+                             "measures one)")
         self.block_size, self.proposals, self.threshold = block_size, proposals, threshold
         self.buckets = width_buckets(block_size, self.max_width)
         self.copies = self.max_width > 1 and (proposals == "copy" or (proposals == "auto" and self.auto))
