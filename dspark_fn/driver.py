@@ -466,7 +466,7 @@ def generate(
     rows' proposals come from, "auto" (default: under the "auto" width, per
     row and round the draft or a copy of an earlier stretch of the row's
     context, whichever is expected to pay more), "draft" or "copy" (see
-    ``Decoder``). ``sampling`` is one ``Sampling`` for every row or one per row; row b draws with its own
+    ``schedule.Planner``). ``sampling`` is one ``Sampling`` for every row or one per row; row b draws with its own
     seed (derived from ``seed`` and b). Greedy output equals greedy decoding
     of the target alone, row by row; sampled output is distributed as
     sampling the target alone. Sequences that finish stop emitting while
