@@ -22,7 +22,7 @@ from .buffers import capacity_for, check_rows, check_writes, grow_cache, init_ca
 from .cache import Cache
 from .kernel import compiled
 from .rng import row_seeds, uniforms
-from .sampling import GREEDY, batch_sampling, choose, token_log_probs
+from .sampling import GREEDY, allowed_tokens, batch_sampling, choose, mask_bits, token_log_probs
 from .types import PairSpec, Params, TokenLogProbs
 
 PREFILL_CHUNK = 64  # the smallest chunk: a prompt pads to a multiple of it
@@ -87,7 +87,7 @@ def prefill_slots(prompt_length: int) -> int:
 
 
 def prefill(params: Params, cache: Cache, prompt, *, sampling=GREEDY, chunk_size: int | None = None,
-            grow: bool = False, top_log_probs: int | None = None):
+            grow: bool = False, top_log_probs: int | None = None, masks=None):
     """Run the prompt(s) through the target in fixed chunks and extend the draft context.
 
     ``prompt`` is a token list, a list of token lists (one per batch row, any
@@ -142,14 +142,15 @@ def prefill(params: Params, cache: Cache, prompt, *, sampling=GREEDY, chunk_size
     lengths = mx.array(starts + np.array([len(r) for r in rows]), mx.int32)
     settings = batch_sampling(sampling, len(rows))
     draws = uniforms(cache.seeds, lengths, rng.PREFILL, (vocab,)) if settings.mode.sampled else None
-    state, tokens = state._replace(length=lengths, seeds=cache.seeds), choose(last_logits, *settings, draws)
+    allowed = None if masks is None else allowed_tokens(mask_bits(masks, (len(rows),), vocab), vocab)
+    state, tokens = state._replace(length=lengths, seeds=cache.seeds), choose(last_logits, *settings, draws, allowed)
     if top_log_probs is None:
         return state, tokens
-    return state, tokens, TokenLogProbs(*token_log_probs(last_logits, tokens, *settings, top_log_probs))
+    return state, tokens, TokenLogProbs(*token_log_probs(last_logits, tokens, *settings, top_log_probs, allowed))
 
 
 def insert(params: Params, cache: Cache, rows: Sequence[int], prompts, *, sampling=GREEDY, seeds: Sequence[int] = (),
-           prefix: Cache | None = None, grow: bool = False, top_log_probs: int | None = None):
+           prefix: Cache | None = None, grow: bool = False, top_log_probs: int | None = None, masks=None):
     """Prefill new prompts into rows ``rows`` of a running batch, together in
     one batch of their own; the other rows are untouched. Row ``rows[i]``
     draws with seed ``seeds[i]`` (default 0). ``prefix`` (a one-row cache
@@ -158,7 +159,8 @@ def insert(params: Params, cache: Cache, rows: Sequence[int], prompts, *, sampli
     new rows prefill in a cache of their own size (see ``prefill``) and the
     batch grows if they need more room; without, they must fit the batch's
     capacity. Returns ``(cache, first tokens)`` (and their ``TokenLogProbs``
-    with ``top_log_probs``, as ``prefill``)."""
+    with ``top_log_probs``, as ``prefill``); ``masks`` (bits ``[len(rows),
+    ceil(V/32)]``) constrain the first tokens, as in ``prefill``."""
     prompts = [list(p) for p in prompts]
     check_rows(list(rows), len(prompts), cache.batch_size)
     seeds = list(seeds) or [0] * len(rows)
@@ -168,6 +170,6 @@ def insert(params: Params, cache: Cache, rows: Sequence[int], prompts, *, sampli
     part = part._replace(seeds=mx.concatenate([row_seeds(seed, 1) for seed in seeds]))
     starts = np.array(part.length)
     part, tokens, *scored = prefill(params, part, [p[start:] for p, start in zip(prompts, starts)], sampling=sampling,
-                                    grow=grow, top_log_probs=top_log_probs)
+                                    grow=grow, top_log_probs=top_log_probs, masks=masks)
     capacity = max(cache.capacity, part.capacity)
     return (place_rows(grow_cache(params, cache, capacity), rows, grow_cache(params, part, capacity)), tokens, *scored)
