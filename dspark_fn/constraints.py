@@ -213,9 +213,11 @@ class Matcher:
         """Advance by tokens the row committed; returns how many the grammar
         allows. A refused token (only possible when the caller did not apply
         the masks) leaves the matcher before it, at a ``dead_end``."""
+        if self.dead_end:
+            return 0
         for count, token in enumerate(int(t) for t in tokens):
-            if self.dead_end or not self._allows(token):
-                self.refused = token if self.refused is None else self.refused
+            if not self._allows(token):
+                self.refused = token
                 return count
             self._state.consume_token(token)
         return len(tokens)
@@ -294,7 +296,8 @@ def verify_masks(matchers: Sequence["Matcher | None"], proposals, vocab_size: in
         return masks
     vocabulary = live[0][1].grammar.vocabulary
     engine = np.full((len(live) * width, vocabulary.engine_words), -1, np.int32)
-    jobs = [(m._state, i * width, _known(proposals[b], vocabulary)) for i, (b, m) in enumerate(live)]
+    jobs = [(m._state, i * width, tokens) for i, ((_, m), tokens) in
+            enumerate(zip(live, _known(proposals[[b for b, _ in live]], vocabulary)))]
     along = [job for job in jobs if job[2]]  # the engine takes rows with proposals and rows without apart
     if along:
         _executor().unsafe_compute_mask_ptr_with_draft_token(along, engine.ctypes.data, engine.shape[1] * 4,
@@ -306,11 +309,13 @@ def verify_masks(matchers: Sequence["Matcher | None"], proposals, vocab_size: in
     return masks
 
 
-def _known(tokens: np.ndarray, vocabulary: Vocabulary) -> list[int]:
-    """``tokens`` up to the first id past the tokenizer's (a padding id of the
-    model's vocabulary, which no grammar allows: masks after it stay open)."""
-    past = np.flatnonzero(tokens >= vocabulary.engine.vocab_size)
-    return tokens[: past[0] if len(past) else len(tokens)].tolist()
+def _known(proposals: np.ndarray, vocabulary: Vocabulary) -> list[list[int]]:
+    """Each row's proposals up to its first id past the tokenizer's (a padding
+    id of the model's vocabulary, which no grammar allows: masks after it
+    stay open)."""
+    past = np.concatenate([proposals >= vocabulary.engine.vocab_size, np.ones((len(proposals), 1), bool)], axis=1)
+    ends = past.argmax(axis=1)
+    return [row[:end] for row, end in zip(proposals.tolist(), ends.tolist())]
 
 
 def next_masks(matchers: Sequence["Matcher | None"], vocab_size: int) -> np.ndarray:

@@ -115,19 +115,40 @@ class EngineMask:
     def __init__(self, constraint: Constraint, vocabulary: Vocabulary):
         self.grammar = GRAMMARS[constraint.kind](constraint.source)
         self.tokenizer, self.size = vocabulary.engine, vocabulary.size
-        self.matcher = llguidance.LLMatcher(self.tokenizer, self.grammar, log_level=0)
+        self.path = [llguidance.LLMatcher(self.tokenizer, self.grammar, log_level=0)]  # the state after each token
         self.seen: list = []
 
     def after(self, tokens) -> np.ndarray:
-        """The mask after ``tokens`` (the generated ones; consumed as they grow)."""
+        """The mask after ``tokens``; successive calls share their common prefix."""
         tokens = [int(t) for t in tokens]
-        if tokens[: len(self.seen)] != self.seen:  # another sequence: start again
-            self.matcher, self.seen = llguidance.LLMatcher(self.tokenizer, self.grammar, log_level=0), []
-        for token in tokens[len(self.seen):]:
-            self.matcher.consume_token(token)
+        shared = next((i for i, (a, b) in enumerate(zip(tokens, self.seen)) if a != b), min(len(tokens), len(self.seen)))
+        del self.path[shared + 1:], self.seen[shared:]
+        for token in tokens[shared:]:
+            state = self.path[-1].deep_copy()
+            state.consume_token(token)
+            self.path.append(state)
             self.seen.append(token)
+        return self.mask(self.path[-1])
+
+    def along(self, rows: np.ndarray) -> np.ndarray:
+        """``[N, T, V]``: the mask after each row's first ``t`` tokens, ``t < T``
+        (rows visited in sorted order, so shared prefixes are walked once)."""
+        out = np.zeros((*rows.shape, self.size), bool)
+        previous = None
+        for row in sorted(range(len(rows)), key=lambda r: rows[r].tolist()):
+            start = 0
+            if previous is not None:  # positions up to the first difference have the previous row's prefixes
+                differ = np.flatnonzero(rows[row] != rows[previous]).tolist() + [rows.shape[1]]
+                start = min(differ[0] + 1, rows.shape[1])
+                out[row, :start] = out[previous, :start]
+            for t in range(start, rows.shape[1]):
+                out[row, t] = self.after(rows[row, :t])
+            previous = row
+        return out
+
+    def mask(self, state) -> np.ndarray:
         bits = np.zeros((1, -(-self.tokenizer.vocab_size // 32)), np.int32)
-        llguidance.numpy.fill_next_token_bitmask(self.matcher, bits)
+        llguidance.numpy.fill_next_token_bitmask(state, bits)
         allowed = np.zeros(self.size, bool)
         unpacked = np.unpackbits(bits.view(np.uint8), bitorder="little").astype(bool)
         allowed[: self.tokenizer.vocab_size] = unpacked[: self.tokenizer.vocab_size]
