@@ -298,7 +298,8 @@ def main():
     for engine in engines:
         print(f"{engine.name}: tokenizer set up in {engine.setup * 1e3:.0f} ms")
     print()
-    print("| schema | engine | coverage | compile ms | mask+consume µs/token | 6 masks along a proposal µs | tokens |")
+    print("| schema | engine | coverage | compile ms | mask+consume µs/token | 6 masks along a proposal µs "
+          "| tokens |")
     print("|---|---|---|---|---|---|---|")
     for name, (schema, valid, broken) in SCHEMAS.items():
         for engine in engines:

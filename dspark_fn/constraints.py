@@ -178,8 +178,8 @@ def compile_constraint(constraint: Constraint, vocabulary: Vocabulary, limits: L
     matcher = Matcher(Grammar(constraint, vocabulary, start), start.deep_copy())
     first = matcher.mask()  # the engine finds some dead ends only while computing a mask
     if matcher.dead_end or not first.any():
-        raise ValueError(f"the {constraint.kind} constraint admits no output with this tokenizer "
-                         f"({matcher._state.get_error().splitlines()[0] if matcher.dead_end else 'no token can start it'})")
+        reason = matcher._state.get_error().splitlines()[0] if matcher.dead_end else "no token can start it"
+        raise ValueError(f"the {constraint.kind} constraint admits no output with this tokenizer ({reason})")
     return matcher.grammar
 
 

@@ -92,7 +92,8 @@ def _draft(params: Params, cache: Cache, tokens: mx.array, rows: RowSampling, mo
 
 def verify_and_commit(params: Params, cache: Cache, block: mx.array, draft_log_probs: mx.array | None,
                       rows: RowSampling, mode: Mode, limit: mx.array | None = None,
-                      active: mx.array | None = None, allowed: mx.array | None = None) -> tuple[Cache, Verdict, mx.array]:
+                      active: mx.array | None = None,
+                      allowed: mx.array | None = None) -> tuple[Cache, Verdict, mx.array]:
     """Run the target on ``block = [anchor, drafts...]``, accept, and commit.
 
     Every row's K/V and draft context are written; the new ``length`` keeps

@@ -121,7 +121,8 @@ class EngineMask:
     def after(self, tokens) -> np.ndarray:
         """The mask after ``tokens``; successive calls share their common prefix."""
         tokens = [int(t) for t in tokens]
-        shared = next((i for i, (a, b) in enumerate(zip(tokens, self.seen)) if a != b), min(len(tokens), len(self.seen)))
+        shared = next((i for i, (a, b) in enumerate(zip(tokens, self.seen)) if a != b),
+                      min(len(tokens), len(self.seen)))
         del self.path[shared + 1:], self.seen[shared:]
         for token in tokens[shared:]:
             state = self.path[-1].deep_copy()

@@ -264,7 +264,8 @@ def test_matchers_follow_committed_tokens_only(vocab, grammars):
     assert twin.commit([EOS]) == 1 and twin.stopped and not twin.dead_end
     tool = grammars["tool call"].matcher()  # fixed up to the city's value: the markers, keys and the name
     forced = tool.forced(20)
-    assert TEXT.text(forced) == '<tool_call>{"name":"get_weather","arguments":{"city":"' and tool.forced(2) == forced[:2]
+    assert TEXT.text(forced) == '<tool_call>{"name":"get_weather","arguments":{"city":"'
+    assert tool.forced(2) == forced[:2]
     assert tool.commit(forced) == len(forced) and tool.forced(20) == []
 
 
