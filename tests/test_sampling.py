@@ -344,8 +344,8 @@ def bonus_from_the_draft(p, q, rejected):
     return mx.where(rejected, residual, mx.where(q.sum(axis=-1, keepdims=True) > 0, q, p))
 
 
-def unfiltered_draft_distribution(logits, rows, mode):
-    return log_probs(logits, rows, Mode(mode.greedy, mode.sampled))
+def unfiltered_draft_distribution(logits, rows, mode, allowed=None):
+    return log_probs(logits, rows, Mode(mode.greedy, mode.sampled), allowed)
 
 
 def blind_copy(tokens, vocab_size):
