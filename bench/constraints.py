@@ -74,7 +74,7 @@ def host(tokenizer, vocab_size: int) -> None:
     schema, instance, _ = SCHEMAS["issue (nested, enums, arrays, nullable $ref)"]
     vocabulary = Vocabulary(tokenizer, vocab_size)
     grammar = compile_constraint(Constraint.json_schema(schema), vocabulary)
-    tokens = tokenizer.encode(instance, add_special_tokens=False)
+    tokens = tokenizer._tokenizer.encode(instance, add_special_tokens=False)
     print("| rows | verify_masks, width 6 (ms) | draft_masks (ms) | commit 3 tokens (ms) |")
     print("|---|---|---|---|")
     for batch in BATCHES:
@@ -105,7 +105,7 @@ def main():
     params, tokenizer, config = load_named(None)
     device(params)
     print()
-    host(tokenizer._tokenizer, config["vocab_size"])
+    host(tokenizer, config["vocab_size"])
 
 
 if __name__ == "__main__":

