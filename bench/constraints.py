@@ -13,10 +13,13 @@ bundled draft, 49,152-token vocabulary), measured side by side:
 Times are the fastest of several runs taking turns (``costs.fastest_seconds``).
 
     python bench/constraints.py
+    PART=host python bench/constraints.py        # or PART=device
 """
 
-import numpy as np
+import os
+
 import mlx.core as mx
+import numpy as np
 
 from dspark_fn import init_cache, propose
 from dspark_fn.catalog import load_named
@@ -103,9 +106,11 @@ def host(tokenizer, vocab_size: int) -> None:
 
 def main():
     params, tokenizer, config = load_named(None)
-    device(params)
-    print()
-    host(tokenizer, config["vocab_size"])
+    if os.environ.get("PART", "both") in ("both", "device"):
+        device(params)
+        print()
+    if os.environ.get("PART", "both") in ("both", "host"):
+        host(tokenizer, config["vocab_size"])
 
 
 if __name__ == "__main__":

@@ -113,11 +113,14 @@ class Vocabulary:
     tokenizer, an ``llguidance.LLTokenizer``, or any object with ``tokens``
     (each token's bytes), ``eos_token_id``, ``bos_token_id``,
     ``special_token_ids`` and a call that encodes a string
-    (``llguidance.TokenizerWrapper``'s protocol). Building it takes a fraction
-    of a second for a 50k vocabulary: build one per tokenizer."""
+    (``llguidance.TokenizerWrapper``'s protocol). ``end_tokens`` (default:
+    the tokenizer's end-of-sequence id) are the ids that may end a whole
+    match: give every stop token the rows use (``chat.stop_tokens``), so
+    none of them is refused. Building it takes a fraction of a second for a
+    50k vocabulary: build one per tokenizer."""
 
-    def __init__(self, tokenizer, vocab_size: int):
-        self.engine = _engine_tokenizer(tokenizer, vocab_size)
+    def __init__(self, tokenizer, vocab_size: int, end_tokens: Sequence[int] | None = None):
+        self.engine = _engine_tokenizer(tokenizer, vocab_size, None if end_tokens is None else list(end_tokens))
         if self.engine.vocab_size > vocab_size:
             raise ValueError(f"the tokenizer has {self.engine.vocab_size} tokens but the model only {vocab_size}: "
                              "pass the model's tokenizer")
@@ -133,11 +136,11 @@ class Vocabulary:
         return masks
 
 
-def _engine_tokenizer(tokenizer, vocab_size: int) -> llguidance.LLTokenizer:
+def _engine_tokenizer(tokenizer, vocab_size: int, end_tokens: list | None) -> llguidance.LLTokenizer:
     if isinstance(tokenizer, llguidance.LLTokenizer):
         return tokenizer
     if hasattr(tokenizer, "tokens") and hasattr(tokenizer, "eos_token_id"):
-        return llguidance.LLTokenizer(llguidance.TokenizerWrapper(tokenizer), n_vocab=vocab_size)
+        return llguidance.LLTokenizer(llguidance.TokenizerWrapper(tokenizer), n_vocab=vocab_size, eos_token=end_tokens)
     from transformers import PreTrainedTokenizerFast
 
     inner = getattr(tokenizer, "_tokenizer", None)  # mlx-lm's wrapper holds the Hugging Face tokenizer
@@ -145,7 +148,7 @@ def _engine_tokenizer(tokenizer, vocab_size: int) -> llguidance.LLTokenizer:
     if isinstance(tokenizer, PreTrainedTokenizerFast):
         from llguidance.hf import from_tokenizer
 
-        return from_tokenizer(tokenizer, n_vocab=vocab_size)
+        return from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=end_tokens)
     raise ValueError(f"cannot read the tokens of a {type(tokenizer).__name__}: pass an mlx-lm or Hugging Face fast "
                      "tokenizer, or an object with tokens (bytes) and eos_token_id")
 

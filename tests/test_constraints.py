@@ -318,3 +318,8 @@ def test_the_default_tokenizer_reads_in_either_wrapper():
         assert vocab.engine.vocab_size == 49152 and vocab.eos == (wrapper.eos_token_id,)
         matcher = compile_constraint(schema, vocab).matcher()
         assert matcher.commit(ids) == len(ids) and matcher.accepting and matcher.forced(2) == [wrapper.eos_token_id]
+    ends = Vocabulary(wrapper, 49152, end_tokens=[wrapper.eos_token_id, 0])  # 0: <|endoftext|>
+    matcher = compile_constraint(schema, ends).matcher()
+    assert matcher.commit(ids) == len(ids)
+    assert np.unpackbits(matcher.mask().view(np.uint8), bitorder="little")[[0, 2]].tolist() == [1, 1]
+    assert matcher.copy().commit([0]) == 1 and matcher.commit([2]) == 1
