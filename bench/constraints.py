@@ -13,7 +13,7 @@ bundled draft, 49,152-token vocabulary), measured side by side:
 Times are the fastest of several runs taking turns (``costs.fastest_seconds``).
 
     python bench/constraints.py
-    PART=host python bench/constraints.py        # or PART=device
+    PART=host python bench/constraints.py        # or PART=device; PASSES=25 on a busy machine
 """
 
 import os
@@ -34,6 +34,7 @@ from grammar_engines import SCHEMAS
 CONTEXT = 512
 BATCHES = (1, 8)
 WIDTHS = (1, 4, 6)  # the bundled draft's block of 5, verified whole
+PASSES = int(os.environ.get("PASSES", 9))
 GREEDY_MODE = batch_sampling(GREEDY, 1).mode
 
 
@@ -68,7 +69,7 @@ def device(params: Params) -> None:
                 "masked": lambda: masked(params.target, params.draft, cache, block, rows, masks),
                 "plain": lambda: plain(params.target, params.draft, cache, block, rows),
             }
-            best = fastest_seconds(runs, passes=9)
+            best = fastest_seconds(runs, passes=PASSES)
             print(f"| {batch} | {width} | {best['masked'] * 1e3:.2f} | {best['plain'] * 1e3:.2f} | "
                   f"{best['masked'] / best['plain']:.3f} |")
 

@@ -298,6 +298,8 @@ def verify_masks(matchers: Sequence["Matcher | None"], proposals, vocab_size: in
     masks = np.full((len(matchers), width, mask_words(vocab_size)), 0xFFFFFFFF, np.uint32)
     # A row at a dead end keeps every token: it ends now, and whatever it emits is cut by its matcher.
     live = [(b, m) for b, m in enumerate(matchers) if m is not None and not m.dead_end]
+    if len({id(m) for _, m in live}) < len(live):
+        raise ValueError("one matcher serves two rows: give each row its own (Grammar.matcher(), Matcher.copy())")
     if not live:
         return masks
     vocabulary = live[0][1].grammar.vocabulary

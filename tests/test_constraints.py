@@ -253,6 +253,8 @@ def test_masks_along_a_proposal(vocab, grammars):
     assert allowed[2, 2:].all()
     assert not allowed[0, :5, JSON_VOCAB - 1].any()
     np.testing.assert_array_equal(matcher.mask(), before)
+    with pytest.raises(ValueError, match="one matcher serves two rows"):
+        verify_masks([matcher, matcher], np.array([proposal, proposal]), JSON_VOCAB)
 
 
 def test_matchers_follow_committed_tokens_only(vocab, grammars):
