@@ -41,7 +41,7 @@ from dspark_fn.types import Copies
 from grammars import (CONSTRAINTS, EMAIL, EOS, JSON_PIECES, JSON_VOCAB, NESTED_SCHEMA, TOOL_SCHEMA, EngineMask,
                       PieceTokenizer, mlx_lm_constrained_greedy, vocabulary)
 from helpers import (PROPOSALS, build_draft, build_target, draft_config, missing_prerequisite, mlx_lm_greedy,
-                     right_prefix, target_config)
+                     right_prefix, speculative_tokens, target_config)
 
 BLOCK = 4
 WIDTH = BLOCK + 1
@@ -192,17 +192,18 @@ def test_a_mask_dropped_at_any_verify_position_is_caught(pair, vocab, grammars, 
 
 
 def test_constraints_do_not_retrace(pair, vocab, grammars):
-    """The masks are data of a fixed shape: after an unconstrained run, runs
-    under any grammar (and a batch mixing them) compile nothing."""
+    """The masks are data of a fixed shape and type: after a run with no
+    constraint anywhere (``generate``, no masks given), runs under any
+    grammar, and batches mixing grammars and free rows, compile nothing."""
     model, params = pair
-    truths = [reference(model, p, None, vocab) for p in PROMPTS[:2]]
-    run(params, grammars, [None, None], PROMPTS[:2], truths, "partly-right")
-    run(params, grammars, [None, None], PROMPTS[:2])
+    rounds._draft_kernel.cache_clear()
+    rounds._verify_kernel.cache_clear()
+    speculative_tokens(params, PROMPTS[:2], 30, width=WIDTH, proposals="draft", capacity=256)
     warm = TRACE_COUNTS.copy()
-    for pair_names in (["nested object", "regex"], ["tool call", None], ["regex", "nested object"]):
-        truths = [reference(model, p, n, vocab) for n, p in zip(pair_names, PROMPTS[:2])]
-        run(params, grammars, pair_names, PROMPTS[:2], truths, "partly-right")
-        run(params, grammars, pair_names, PROMPTS[:2])
+    for names in (["nested object", "regex"], ["tool call", None], [None, None]):
+        truths = [reference(model, p, n, vocab) for n, p in zip(names, PROMPTS[:2])]
+        run(params, grammars, names, PROMPTS[:2], truths, "partly-right")
+        run(params, grammars, names, PROMPTS[:2])
     assert TRACE_COUNTS == warm, {k: TRACE_COUNTS[k] - warm[k] for k in TRACE_COUNTS}
 
 
