@@ -33,7 +33,10 @@ class PieceTokenizer:
         ids, at = [], 0
         while at < len(text):
             best = max((i for i in range(1, len(self.pieces)) if text.startswith(self.pieces[i], at)),
-                       key=lambda i: len(self.pieces[i]))
+                       key=lambda i: len(self.pieces[i]), default=None)
+            if best is None:  # a character no piece holds has no token
+                at += 1
+                continue
             ids.append(best)
             at += len(self.pieces[best])
         return ids

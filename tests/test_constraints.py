@@ -267,6 +267,11 @@ def test_matchers_follow_committed_tokens_only(vocab, grammars):
     assert twin.commit(TEXT("ab@cde.org")) == len(TEXT("ab@cde.org")) and twin.accepting
     assert twin.forced(3) == [EOS]  # the match is whole and nothing may extend it
     assert twin.commit([EOS]) == 1 and twin.stopped and not twin.dead_end
+    stuck = compile_constraint(Constraint.regex("ab\n"), vocab).matcher()  # no piece holds a newline
+    assert stuck.commit(TEXT("ab")) == 2 and not stuck.dead_end
+    stuck.mask()  # the engine finds the dead end while computing the next mask
+    assert stuck.dead_end and stuck.forced(3) == [] and stuck.commit([EOS]) == 0
+    assert (verify_masks([stuck], np.array([TEXT("ab")]), JSON_VOCAB) == 0xFFFFFFFF).all()  # it ends; cut after
     tool = grammars["tool call"].matcher()  # fixed up to the city's value: the markers, keys and the name
     forced = tool.forced(20)
     assert TEXT.text(forced) == '<tool_call>{"name":"get_weather","arguments":{"city":"'
