@@ -5,6 +5,10 @@ bundled draft, 49,152-token vocabulary), measured side by side:
   of every verify: all ones without a constraint) against the same kernel
   body with no mask at all, at batch 1 and 8 and widths 1, 4 and 6, at a
   512-token context;
+- device, the masking alone: what the verify adds per round (the bits
+  unpacked, the logits masked) against a plain argmax over the same logits,
+  fastest of 300 runs: the whole kernel's difference is within the noise
+  of a shared machine, this is not;
 - host: building a round's bits for B constrained rows (``verify_masks``
   along a 6-token proposal, ``draft_masks``) and advancing the matchers by 3
   committed tokens, under the issue-tracker schema of
@@ -27,7 +31,7 @@ from dspark_fn.constraints import Constraint, Vocabulary, commit, compile_constr
 from dspark_fn.costs import fastest_seconds
 from dspark_fn.kernel import compiled
 from dspark_fn.rounds import verify_and_commit
-from dspark_fn.sampling import GREEDY, allowed_tokens, batch_sampling, every_token
+from dspark_fn.sampling import GREEDY, allowed_tokens, batch_sampling, constrained, every_token
 from dspark_fn.types import Params
 from grammar_engines import SCHEMAS
 
@@ -74,6 +78,19 @@ def device(params: Params) -> None:
                   f"{best['masked'] / best['plain']:.3f} |")
 
 
+def masking_alone(vocab_size: int) -> None:
+    print("| batch | width | argmax of masked logits (µs) | argmax alone (µs) | the masking (µs) |")
+    print("|---|---|---|---|---|")
+    masked = mx.compile(lambda logits, masks: mx.argmax(constrained(logits, allowed_tokens(masks, vocab_size)), -1))
+    plain = mx.compile(lambda logits: mx.argmax(logits, -1))
+    for batch in BATCHES:
+        for width in WIDTHS:
+            logits, masks = mx.random.normal((batch, width, vocab_size)), every_token((batch, width), vocab_size)
+            best = fastest_seconds({"masked": lambda: masked(logits, masks), "plain": lambda: plain(logits)}, 300)
+            print(f"| {batch} | {width} | {best['masked'] * 1e6:.0f} | {best['plain'] * 1e6:.0f} | "
+                  f"{(best['masked'] - best['plain']) * 1e6:.0f} |")
+
+
 def host(tokenizer, vocab_size: int) -> None:
     schema, instance, _ = SCHEMAS["issue (nested, enums, arrays, nullable $ref)"]
     vocabulary = Vocabulary(tokenizer, vocab_size)
@@ -109,6 +126,8 @@ def main():
     params, tokenizer, config = load_named(None)
     if os.environ.get("PART", "both") in ("both", "device"):
         device(params)
+        print()
+        masking_alone(config["vocab_size"])
         print()
     if os.environ.get("PART", "both") in ("both", "host"):
         host(tokenizer, config["vocab_size"])

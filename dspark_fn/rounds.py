@@ -67,8 +67,9 @@ def _draft(params: Params, cache: Cache, tokens: mx.array, rows: RowSampling, mo
     base, hidden = spec.draft_arch.block_forward(spec.draft, params.draft, cache.draft, cache.length, block_ids)
     vocab = params.draft.get(DRAFT_VOCAB_KEY)  # target id of each draft-vocabulary entry
     allowed = allowed_tokens(masks, spec.target.vocab_size)  # [B, G, V]
-    if vocab is not None:
+    if vocab is not None:  # a slot whose allowed tokens all lie outside the draft's vocabulary stays open
         allowed = allowed[..., vocab]
+        allowed = allowed | ~allowed.any(axis=-1, keepdims=True)
 
     def pick(logits, slot):
         draws = uniforms(cache.seeds, cache.length, rng.DRAFT_SLOT + slot, logits.shape[1:]) if mode.sampled else None

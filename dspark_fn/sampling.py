@@ -153,20 +153,18 @@ def mask_bits(masks, shape: tuple, vocab_size: int) -> mx.array:
 
 def allowed_tokens(masks: mx.array, vocab_size: int) -> mx.array:
     """``[..., V]`` bool from bits ``[..., ceil(V / 32)]`` (uint32): token
-    ``v`` is bit ``v % 32`` of word ``v // 32``."""
+    ``v`` is bit ``v % 32`` of word ``v // 32``. A position whose bits allow
+    nothing allows everything: the host never sends one (a grammar at a
+    dead end still allows its end of sequence), and a finite distribution
+    keeps the kernel's arithmetic finite."""
     bits = (masks[..., None] >> mx.arange(MASK_BITS, dtype=mx.uint32)) & 1
-    return bits.reshape(*masks.shape[:-1], -1)[..., :vocab_size].astype(mx.bool_)
+    allowed = bits.reshape(*masks.shape[:-1], -1)[..., :vocab_size].astype(mx.bool_)
+    return allowed | (masks == 0).all(axis=-1, keepdims=True)
 
 
 def constrained(logits: mx.array, allowed: mx.array | None) -> mx.array:
-    """``logits`` with the tokens ``allowed [..., V]`` excludes at -inf. A
-    position that allows no token is left as it is: the host never sends
-    one (a grammar at a dead end allows its end-of-sequence token), and a
-    finite distribution keeps the other rows of the kernel finite."""
-    if allowed is None:
-        return logits
-    allowed = allowed | ~allowed.any(axis=-1, keepdims=True)
-    return mx.where(allowed, logits, -mx.inf)
+    """``logits`` with the tokens ``allowed [..., V]`` excludes at -inf."""
+    return logits if allowed is None else mx.where(allowed, logits, -mx.inf)
 
 
 def log_probs(logits: mx.array, rows: RowSampling, mode: Mode, allowed: mx.array | None = None) -> mx.array:

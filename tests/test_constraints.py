@@ -33,10 +33,12 @@ import pytest
 
 import dspark_fn
 from dspark_fn import gguf, rounds
+from dspark_fn.checkpoints import save_draft
 from dspark_fn.constraints import (Constraint, Limits, Vocabulary, commit, compile_constraint, draft_masks, next_masks,
                                    verify_masks)
 from dspark_fn.kernel import TRACE_COUNTS
-from dspark_fn.sampling import Sampling, allowed_tokens
+from dspark_fn.drafts.vocab import reduced_checkpoint
+from dspark_fn.sampling import GREEDY, Sampling, allowed_tokens
 from dspark_fn.types import Copies
 from grammars import (CONSTRAINTS, EMAIL, EOS, JSON_PIECES, JSON_VOCAB, NESTED_SCHEMA, TOOL_SCHEMA, EngineMask,
                       PieceTokenizer, mlx_lm_constrained_greedy, vocabulary)
@@ -51,12 +53,25 @@ TEXT = PieceTokenizer(JSON_PIECES)
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("constraints")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("constraints")
+
+
+@pytest.fixture(scope="module")
+def pair(root):
     config = target_config("qwen3", vocab=JSON_VOCAB, hidden=32, layers=3, heads=2, kv_heads=1, head_dim=16)
     model = build_target(root / "target", config, seed=3)
     build_draft(root / "draft", draft_config(config, layers=1, taps=(0, 1), block_size=BLOCK), seed=4)
     return model, dspark_fn.load(root / "target", root / "draft")
+
+
+@pytest.fixture(scope="module")
+def reduced(root, pair):
+    """The pair's draft proposing from the even ids only."""
+    config = json.loads((root / "draft" / "config.json").read_text())
+    weights = mx.load(str(root / "draft" / "model.safetensors"))
+    save_draft(root / "reduced", *reduced_checkpoint(config, weights, np.arange(0, JSON_VOCAB, 2)))
+    return dspark_fn.load(root / "target", root / "reduced")
 
 
 @pytest.fixture(scope="module")
@@ -230,6 +245,35 @@ def test_forced_tokens_verify_as_point_masses(pair, vocab, grammars):
                                          masks=masks)
             assert result.accepted.tolist() == [WIDTH - 1], (sampling, seed)
             assert result.emitted[0, : WIDTH - 1].tolist() == forced
+
+
+def bits(tokens, slots: int = 1) -> np.ndarray:
+    """Masks ``[slots, words]`` allowing exactly ``tokens``."""
+    allowed = np.zeros(32 * -(-JSON_VOCAB // 32), bool)
+    allowed[list(tokens)] = True
+    return np.tile(np.packbits(allowed, bitorder="little").view(np.uint32), (slots, 1))
+
+
+def test_the_draft_drafts_and_scores_under_its_masks(pair, reduced):
+    """Each slot draws among what its mask allows, and its q is the
+    distribution under that same mask (a one-token mask: a point mass); a
+    slot whose allowed tokens all lie outside a reduced draft vocabulary is
+    left open. Greedy and drawing alike."""
+    _, params = pair
+    masks = np.full((1, BLOCK, JSON_VOCAB // 32), 0xFFFFFFFF, np.uint32)
+    masks[0, 0], masks[0, 1] = bits({7, 9}), bits({4})
+    for draft, first in ((params, {7, 9}), (reduced, set(range(0, JSON_VOCAB, 2)))):
+        cache, anchors = dspark_fn.prefill(draft, dspark_fn.init_cache(draft, 1, 64), PROMPTS[0])
+        for sampling in (GREEDY, Sampling(1.0), Sampling(0.7, top_k=5, top_p=0.9)):
+            block = dspark_fn.draft_block(draft, cache, anchors, sampling, masks)
+            tokens = block.tokens[0].tolist()
+            assert tokens[0] in first and tokens[1] == 4, (sampling, tokens)
+            if sampling.greedy:
+                continue
+            q = np.exp(np.array(block.log_probs[0], np.float64))
+            np.testing.assert_allclose(q.sum(axis=-1), 1, rtol=1e-5)
+            assert set(np.flatnonzero(q[0])) <= first and len(np.flatnonzero(q[2])) > 2
+            np.testing.assert_allclose(q[1, 4], 1, rtol=1e-6)
 
 
 def test_masks_along_a_proposal(vocab, grammars):
