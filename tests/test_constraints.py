@@ -15,10 +15,13 @@ parses and validates against its constraint.
 
 Breaks tried, and what caught them: the verify's mask dropped at any one
 position (``test_a_mask_dropped_at_any_verify_position_is_caught`` runs all
-of them), masks built from the state before the anchor (every equality
-test), the draft's first slot unmasked while its masks were given (the
-draft-proposal tests stay equal: drafting is free to propose anything; the
-sampling harness is where the q that drafted matters).
+of them); the verify ignoring its masks, the prefill ignoring its masks,
+masks one position late (the equality tests, and the masks-along-a-proposal
+test); the draft's q computed without its mask, and a reduced vocabulary's
+slot left with no allowed token (the draft-masks test); masks of another
+dtype than the unconstrained path's (the no-retrace test). Drafting itself
+may propose anything without changing greedy output; the sampling harness
+(``test_sampling.py``) is where the q that drafted matters.
 """
 
 import functools

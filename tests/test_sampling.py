@@ -20,7 +20,10 @@ samplers at the end are rejected at p < 1e-6 by the same checks.
 The draft's cases propose from the draft alone; two cases verify copies of
 the context (point-mass proposals): copies alone under top-k/top-p (a
 copied token the filters exclude is never kept), and copies and drafts
-chosen row by row in one batch.
+chosen row by row in one batch. The last section holds rows to a grammar
+(constrained sampling: the mask, then temperature, top-k, top-p) through a
+loop over the pure functions with a matcher per row, with its own negative
+controls.
 """
 
 import functools
