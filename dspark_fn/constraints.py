@@ -385,28 +385,31 @@ class Matcher:
 
     def mask(self) -> np.ndarray:
         """The tokens allowed next, ``[ceil(V/32)]`` uint32 bits."""
+        return self._mask(self._state) if not self.dead_end else np.zeros(self.grammar.vocabulary.words, np.uint32)
+
+    def _mask(self, state: llguidance.LLMatcher) -> np.ndarray:
         vocabulary = self.grammar.vocabulary
         engine = np.zeros((1, vocabulary.engine_words), np.int32)
-        if not self.dead_end:
-            self._state.unsafe_compute_mask_ptr(engine.ctypes.data, engine.nbytes)
+        state.unsafe_compute_mask_ptr(engine.ctypes.data, engine.nbytes)
         return vocabulary.widened(engine)[0]
 
     def forced(self, limit: int) -> list[int]:
         """Up to ``limit`` tokens the grammar forces from here: while exactly
         one token is allowed (keys, punctuation, an enum's tail), that token.
         Each is a point-mass proposal the constrained target accepts with
-        probability one; the matcher is left where it was."""
-        forced, consumed = [], 0
+        probability one. The matcher stays where it was (the tokens after the
+        first are followed on a copy: a state the engine finds at a dead end
+        stays there, so only this state's own dead end may mark it)."""
+        forced, state = [], self._state
         while len(forced) < limit and not self.dead_end:
-            allowed = np.flatnonzero(np.unpackbits(self.mask().view(np.uint8), bitorder="little"))
-            if len(allowed) != 1:
+            allowed = np.flatnonzero(np.unpackbits(self._mask(state).view(np.uint8), bitorder="little"))
+            if len(allowed) != 1 or state.is_error():  # at a dead end the engine allows an end of sequence
                 break
             forced.append(int(allowed[0]))
-            if forced[-1] in self.grammar.vocabulary.eos:  # nothing follows an end (and the engine
-                break  # does not count one among the tokens it rolls back)
-            self._state.consume_token(forced[-1])
-            consumed += 1
-        self._state.rollback(consumed)
+            if forced[-1] in self.grammar.vocabulary.eos:  # nothing follows an end
+                break
+            state = state.deep_copy() if state is self._state else state
+            state.consume_token(forced[-1])
         return forced
 
 
@@ -445,7 +448,9 @@ def verify_masks(matchers: Sequence["Matcher | None"], proposals, vocab_size: in
     engine = np.full((len(live) * width, vocabulary.engine_words), -1, np.int32)
     jobs = [(m._state, i * width, tokens) for i, ((_, m), tokens) in
             enumerate(zip(live, _known(proposals[[b for b, _ in live]], vocabulary)))]
-    along = [job for job in jobs if job[2]]  # the engine takes rows with proposals and rows without apart
+    # The engine takes rows with proposals and rows without apart. Along a proposal it works on a copy:
+    # a proposal may lead where the grammar admits nothing, and a state found there stays there.
+    along = [(state.deep_copy(), start, tokens) for state, start, tokens in jobs if tokens]
     if along:
         _executor().unsafe_compute_mask_ptr_with_draft_token(along, engine.ctypes.data, engine.shape[1] * 4,
                                                              len(engine))
