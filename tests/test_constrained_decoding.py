@@ -16,12 +16,11 @@ on; constraints compile nothing new.
 
 Breaks tried, and what caught them: the driver's verify masks with position
 j opened, for each j (``test_a_mask_dropped_by_the_driver_is_caught``, the
-first token's mask too); the planner rating forced tokens by the draft's
-rates (forced rounds then never beat the draft:
-``test_forced_tokens_are_verified_without_a_draft_pass``); the matcher
-advanced by every emitted token instead of the row's cut (the equality tests
-in a batch with budgets); a dead end found only at the verify (the dead-end
-test sees the row take a round that emits a refused token).
+first token's mask too); the masks of drafting rows built along nothing
+(the equality tests); no forced tokens read after a step
+(``test_forced_tokens_are_verified_without_a_draft_pass``); a dead end not
+ended when the forced look-ahead finds it (the dead-end test after a
+prefill: the row takes a round that emits nothing).
 """
 
 import itertools
@@ -184,16 +183,21 @@ def test_forced_tokens_are_verified_without_a_draft_pass(pair, vocab, references
     assert (decoder.planner.rates.acceptance[FORCED] == 1).all() and decoder.planner.rates.observed[FORCED, 0] > 0
 
 
-def test_a_dead_end_ends_the_row_before_any_refused_token(pair, vocab, references):
-    """``ab`` then a newline, which no piece holds: after ``ab`` the grammar
-    admits nothing. The row ends "dead_end" with exactly ``ab``, in the step
-    that emitted its ``b``; a free row beside it goes on to its budget."""
+@pytest.mark.parametrize("text", ["a", "ab"])
+def test_a_dead_end_ends_the_row_before_any_refused_token(pair, vocab, references, text):
+    """``text`` then a newline, which no piece holds: after ``text`` the
+    grammar admits nothing. The row ends "dead_end" with exactly ``text``, in
+    the step that emitted its last character (the prefill's, for "a": found
+    by reading the tokens it forces next; a round's, for "ab": its bonus
+    position allows only an end of sequence, which the grammar refuses); a
+    free row beside it goes on to its budget."""
     _, params = pair
-    grammar = compile_constraint(Constraint.regex("ab\n"), vocab)
+    grammar = compile_constraint(Constraint.regex(text + "\n"), vocab)
     events = list(dspark_fn.generate(params, PROMPTS[:2], 12, constraint=[grammar, None], **MODES["planned"]))
     stuck = [event for event in events if event.tag == 0]
-    assert [t for e in stuck for t in e.emitted] == TEXT("ab")
-    assert stuck[-1].finish == "dead_end" and stuck[-1].emitted[-1] == TEXT("b")[0]
+    assert [t for e in stuck for t in e.emitted] == TEXT(text)
+    assert stuck[-1].finish == "dead_end" and stuck[-1].emitted[-1] == TEXT(text)[-1]
+    assert (stuck[-1].kind == "prefill") == (text == "a")
     free = [t for event in events if event.tag == 1 for t in event.emitted]
     assert free == references(None, PROMPTS[1])[:12]
 

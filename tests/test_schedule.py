@@ -14,6 +14,7 @@ from dspark_fn.costs import cached_costs, monotone
 from dspark_fn.copying import Copy
 from dspark_fn.schedule import (
     DRAFTED,
+    FORCED,
     CostCurve,
     Plan,
     Planner,
@@ -303,6 +304,31 @@ def test_the_planner_chooses_copies_where_they_beat_the_draft():
     assert sources.draft and sources.copying.tolist() == [True, False, False, True]
     alone = planner.sources(matches, np.array([True, False, False, True]))
     assert not alone.draft and alone.copying.tolist() == [True, False, False, True]
+
+
+def test_the_planner_verifies_forced_tokens_where_they_beat_the_draft():
+    """Forced tokens are certain: rows with some verify them (the draft
+    measured at 0.6 a slot), the others take the draft, and a round in which
+    every live row is forced runs no draft pass. They enter the plan with
+    survival 1 up to their count (the threshold does not cut them) and are
+    learned under ``FORCED``."""
+    planner = Planner(BLOCK, costs=COSTS, threshold=0.7)
+    planner.rates.acceptance[DRAFTED] = 0.6
+    forced = np.array([3, 0, 5, 0])
+    sources = planner.sources(NO_COPIES, ALL, forced)
+    assert sources.draft and sources.forcing.tolist() == [True, False, True, False] and not sources.copying.any()
+    alone = planner.sources(NO_COPIES, np.array([True, False, True, False]), forced)
+    assert not alone.draft and alone.forcing.tolist() == [True, False, True, False]
+    plan = planner.plan(np.full((4, BLOCK), 0.6), NO_COPIES, sources, ALL, ~ALL, forced)
+    # the drafts are cut by the threshold; Θ over levels 0..4: 4/1.2, 6/1.25, 8/1.3, 10/1.35, 11/1.55: level 3
+    assert plan.width == 4 and plan.limits.tolist() == [3, 0, 3, 0]
+    assert [plan.source(row) for row in range(4)] == ["forced", "", "forced", ""]
+    assert plan.confidences[0].tolist() == [1, 1, 1, 0, 0]
+    planner.learn(plan, np.array([3, 0, 3, 0]), [Copy([], 0)] * 4, [[] for _ in range(4)])
+    assert planner.rates.observed[FORCED].tolist() == [2, 2, 2, 0, 0]
+    assert (planner.rates.acceptance[FORCED] == 1).all()
+    never = Planner(BLOCK, width=BLOCK + 1, proposals="draft")  # the draft alone: forced tokens are not proposed
+    assert not never.sources(NO_COPIES, ALL, forced).forcing.any()
 
 
 def test_the_planner_keeps_its_measurements_across_batch_sizes_and_measures_each_once():
