@@ -383,6 +383,7 @@ def run_serve(args) -> int:
         from .serve.access import KEY_VARIABLE, is_loopback, read_keys
         from .serve.app import serve, system_fingerprint
         from .serve.engine import Engine
+        from .serve.structured import Grammars
     except ImportError as missing:
         raise SystemExit(f"dspark serve needs its extra: pip install 'dspark-fn[serve]' ({missing})") from None
     from .catalog import resolve
@@ -400,7 +401,8 @@ def run_serve(args) -> int:
     engine = Engine(
         params, max_batch=args.max_batch, max_context=args.max_context,
         prompt_cache_bytes=args.prompt_cache_mb << 20, group=group, max_queue=args.max_queue,
-        queue_timeout=args.queue_timeout, **verify_options(args),
+        queue_timeout=args.queue_timeout,
+        grammars=Grammars(tokenizer, params.spec.target.vocab_size, stop_ids(tokenizer)), **verify_options(args),
     )
     if group.rank() != 0:  # no clients here: the same engine loop, its inputs from rank 0
         engine.follow()

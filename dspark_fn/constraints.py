@@ -326,6 +326,9 @@ def compile_constraint(constraint: Constraint, vocabulary: Vocabulary, limits: L
 def _refusal(kind: str, message: str) -> str:
     """The engine's reason in words a request's author can act on."""
     first = message.strip().splitlines()[0]
+    for known in ("Unimplemented keys", "Unsatisfiable schema"):  # a schema's own, or one inside a grammar
+        if known in first:
+            first = first[first.index(known):]
     if first.startswith("Unimplemented keys"):
         return (f"the JSON schema uses keywords that cannot be enforced while generating ({first.split(': ', 1)[1]}): "
                 "remove them (the output would not be checked against them)")
