@@ -13,6 +13,7 @@ import dataclasses
 import os
 import time
 
+import dspark_fn  # noqa: F401  before mlx: OpenBLAS then serves MLX's matmuls (dspark_fn/blas.py)
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 

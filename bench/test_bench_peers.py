@@ -21,13 +21,13 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
+import dspark_fn  # before mlx: OpenBLAS then serves MLX's matmuls (dspark_fn/blas.py)
 import mlx.core as mx
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-import dspark_fn
-from dspark_fn.train import held_out_tau
+from dspark_fn.distill import held_out_tau
 from peers import load_peer, mlx_vlm_generate
 from workloads import PARITY, dspark_generate, mlx_lm_generate
 

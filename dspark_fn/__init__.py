@@ -15,6 +15,12 @@ size, V vocabulary, V' draft vocabulary, d hidden size, F tapped features
 
 from importlib import import_module
 
+from . import blas
+
+__version__ = "0.1.0"
+
+blas.in_use()  # first, before anything loads mlx: OpenBLAS then serves MLX's CPU matmuls (see blas.py)
+
 # Each public name and the module it lives in; imported on first use, so a
 # tool (``dspark --help``, loading a checkpoint) loads only what it needs.
 _EXPORTS = {

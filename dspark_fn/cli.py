@@ -1,4 +1,4 @@
-"""``dspark`` — the command line: generate, bench, eval, train, models."""
+"""``dspark`` — the command line: generate, bench, eval, train, serve, models, doctor."""
 
 import argparse
 import json
@@ -6,7 +6,6 @@ import os
 import sys
 import time
 
-from .blas import reexec_with_openblas
 from .stats import Tally
 
 
@@ -355,8 +354,27 @@ def run_serve(args) -> int:
     return 0
 
 
+def run_doctor(args) -> int:
+    from .doctor import run
+
+    return run()
+
+
+class ShowVersion(argparse.Action):
+    """``--version``: the library's and its runtime's versions (read only when asked)."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, help="print the versions of dspark_fn, mlx, mlx-lm, mlx-vlm")
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from .doctor import version_line
+
+        parser.exit(message=version_line() + "\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dspark", description="DSpark self-speculative decoding on MLX")
+    parser.add_argument("--version", action=ShowVersion)
     commands = parser.add_subparsers(dest="command", required=True)
 
     gen = commands.add_parser("generate", help="generate text with speculative decoding")
@@ -438,12 +456,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     models = commands.add_parser("models", help="list the model aliases")
     models.set_defaults(run=run_models)
+
+    doctor = commands.add_parser("doctor", help="versions, device, BLAS, caches and models, with what to fix")
+    doctor.set_defaults(run=run_doctor)
     return parser
 
 
 def main(argv=None) -> int:
-    if argv is None:
-        reexec_with_openblas()
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)
