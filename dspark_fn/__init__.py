@@ -25,7 +25,7 @@ blas.in_use()  # first, before anything loads mlx: OpenBLAS then serves MLX's CP
 # tool (``dspark --help``, loading a checkpoint) loads only what it needs.
 _EXPORTS = {
     "Cache": "cache",
-    "load": "checkpoints", "load_draft": "checkpoints", "load_target": "checkpoints",
+    "load": "checkpoints", "load_draft": "checkpoints", "load_target": "checkpoints", "load_pair": "catalog",
     "verify_policy": "costs",
     "ARCH_REGISTRY": "drafts", "DraftArch": "interfaces", "register_arch": "drafts", "resolve_arch": "drafts",
     "Decoder": "driver", "generate": "driver",
@@ -79,6 +79,7 @@ __all__ = [
     "insert",
     "load",
     "load_draft",
+    "load_pair",
     "load_target",
     "prefill",
     "propose",

