@@ -258,6 +258,12 @@ def use_openblas(environ=os.environ) -> Blas:
     return Blas(openblas_name(library), library, how)
 
 
+def reference_blas() -> bool:
+    """Whether MLX's CPU matmuls run on the reference BLAS its Linux wheel
+    links: there a forward of n tokens costs about n one-token forwards."""
+    return sys.platform.startswith("linux") and in_use().library is None
+
+
 IN_USE: Blas | None = None  # set by ``import dspark_fn``
 
 
