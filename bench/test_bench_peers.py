@@ -8,10 +8,12 @@ speculative engines, τ (tokens per verify round).
 
 Engines: ``dspark_fn`` (the full block every round), ``mlx_vlm`` (its
 "fixed" block policy: the same full block), ``mlx_lm`` (the target alone),
-and on the random qwen3 pair each engine's adaptive mode too:
-``dspark_fn_auto`` (verify width scheduled from the confidence head) and
-``mlx_vlm_adaptive`` (mlx-vlm's default for DeepSpec qwen3 drafts: the
-drafted block shrinks and grows with recent acceptance).
+``dspark_fn_auto`` (dspark_fn's default: the draft gate, copies and the
+verify width scheduled from the confidence head; on the embedded default,
+beside mlx-lm, the comparison its user makes, and on the random qwen3 pair),
+and on the random qwen3 pair ``mlx_vlm_adaptive`` (mlx-vlm's default for
+DeepSpec qwen3 drafts: the drafted block shrinks and grows with recent
+acceptance).
 """
 
 import importlib.util
@@ -65,8 +67,10 @@ def random_qwen3_case(tmp) -> Pair:
 
 
 def smollm2_case(tmp) -> Pair:
-    """SmolLM2-135M (llama) from its GGUF, written as an HF directory every engine loads;
-    the draft is the shipped default when present, else a random one-layer draft."""
+    """The embedded default: SmolLM2-135M-Instruct (llama) from its GGUF, written
+    as an HF directory every engine loads, with the draft shipped in dspark_fn;
+    dspark_fn runs both its default policy (``dspark_fn_auto``) and the full
+    block, beside mlx-lm greedy on the same weights."""
     from dspark_fn.gguf import find_smollm2_gguf, load_gguf_llama
     from dspark_fn.catalog import DEFAULT_DRAFT
 
@@ -80,7 +84,8 @@ def smollm2_case(tmp) -> Pair:
         build_draft(draft_dir, draft_config(config, layers=1, taps=(1, 14, 27), markov_rank=32), seed=0)
     question = [{"role": "user", "content": "A farmer has 12 cows and buys 7 more. How many cows does he have?"}]
     prompt = tokenizer.apply_chat_template(question, add_generation_prompt=True)
-    return Pair("SmolLM2-135M (llama, 30 layers)", tmp / "target", draft_dir, prompt, 16, 3, SPECULATIVE)
+    return Pair("embedded default (SmolLM2-135M-Instruct + shipped draft)", tmp / "target", draft_dir, prompt, 64, 3,
+                SPECULATIVE + ("dspark_fn_auto",))
 
 
 CASES = {
