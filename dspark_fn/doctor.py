@@ -48,7 +48,10 @@ def version_line() -> str:
 
 def versions() -> Finding:
     missing = [name for name in PACKAGES if package_version(name) is None]
-    system = f"Python {platform.python_version()} on {platform.system()} {platform.machine()}, {os.cpu_count()} cores"
+    from .catalog import machine_memory_gb
+
+    system = (f"Python {platform.python_version()} on {platform.system()} {platform.machine()}, {os.cpu_count()} cores, "
+              f"{machine_memory_gb():.0f} GB")
     return Finding("versions", [version_line(), system], [(f"{name} is not installed", f"pip install {name}")
                                                           for name in missing])
 
@@ -90,7 +93,9 @@ def blas_finding() -> Finding:
                 problems.append(("OpenBLAS does not serve MLX here",
                                  "import dspark_fn before mlx, or start with LD_PRELOAD=" + used.library))
     elif sys.platform.startswith("linux") and not os.environ.get("DSPARK_NO_OPENBLAS"):
-        fix = blas.SYSTEM_FIX if "cannot run on this CPU" in used.how else blas.PIP_FIX
+        explicit = os.environ.get("DSPARK_OPENBLAS", "pip") != "pip"
+        fix = ("point DSPARK_OPENBLAS at an OpenBLAS library (libopenblas.so.0), or unset it" if explicit
+               else blas.SYSTEM_FIX if "cannot run on this CPU" in used.how else blas.PIP_FIX)
         problems.append((f"MLX's matmuls run on the bundled reference BLAS, several times slower ({used.how})", fix))
     return Finding("BLAS", lines, problems)
 
