@@ -21,7 +21,6 @@ from dspark_fn import generate, init_cache, propose, verify
 from dspark_fn.buffers import capacity_for
 from dspark_fn.rounds import no_proposal
 from dspark_fn.checkpoints import mlx_lm_model
-from dspark_fn.targets import target_module
 from dspark_fn.drafts.heads import DRAFT_VOCAB_KEY
 from dspark_fn.catalog import load_named
 from dspark_fn.costs import fastest_seconds
@@ -95,7 +94,7 @@ def full_vocabulary(params):
     spec = params.spec
     ids = params.draft[DRAFT_VOCAB_KEY]
     draft = {key: value for key, value in params.draft.items() if key != DRAFT_VOCAB_KEY}
-    draft["lm_head"] = target_module(params.target, "lm_head.weight")
+    draft["lm_head"] = spec.target_adapter.layout.head_module(params.target)
     rows = draft["markov_head"]["markov_w2"]["weight"]
     full = mx.zeros((spec.target.vocab_size, rows.shape[1]), rows.dtype)
     full[ids] = rows

@@ -12,7 +12,9 @@ Environment: N (prompts per dataset, default 50), TOKENS (new tokens, default 12
 SPEED_N (prompts for the speed comparison, default 10), REPEATS (default 3),
 DRAFTS (comma-separated draft directories that `speed` measures after the bundled one,
 e.g. from `dspark train`), DATASETS (comma-separated bundled sets for `speed`, default all five),
-PROPOSALS (comma-separated proposal sources that `speed` measures: auto, draft, copy; default auto).
+PROPOSALS (comma-separated proposal sources that `speed` measures: auto, draft, copy; default auto),
+TEMPERATURE (`speed` samples at it in both engines, mlx-lm with its own sampler; default 0: greedy; not TEMP,
+which names the temporary directory).
 """
 
 import os
@@ -99,6 +101,7 @@ def default() -> None:
 
 DATASETS = tuple(os.environ.get("DATASETS", "gsm8k,humaneval,math500,mbpp,mt-bench").split(","))
 PROPOSALS = tuple(os.environ.get("PROPOSALS", "auto").split(","))
+TEMPERATURE = float(os.environ.get("TEMPERATURE", 0))  # speed: both engines sample at it (0: greedy)
 
 
 def source_cells(summary: dict) -> str:
@@ -168,9 +171,12 @@ def speed() -> None:
     pairs = {d or "bundled": load_named(None, d) for d in drafts}
     _, tokenizer, config = pairs["bundled"]
     model = mlx_lm_model(config, pairs["bundled"][0].target)
-    print(f"embedded target, default policy, greedy, {SPEED_N} prompts per dataset, {TOKENS} new tokens, "
+    sampled = {"sampling": Sampling(temperature=TEMPERATURE)} if TEMPERATURE else {}
+    decoding = f"temperature {TEMPERATURE} (tokens not compared)" if TEMPERATURE else "greedy"
+    print(f"embedded target, default policy, {decoding}, {SPEED_N} prompts per dataset, {TOKENS} new tokens, "
           f"medians of {REPEATS} repeats ({machine()})\n")
-    print("| dataset | draft | proposals | mlx-lm greedy tokens/s | dspark_fn tokens/s | speedup | tau | "
+    print(f"| dataset | draft | proposals | mlx-lm {'sampled' if TEMPERATURE else 'greedy'} tokens/s | dspark_fn tokens/s | "
+          "speedup | tau | "
           "rounds: draft / copy / none | tau: draft / copy | identical |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     candidates = {name: params for name, (params, _, _) in pairs.items()}
@@ -178,7 +184,7 @@ def speed() -> None:
         prompts = [chat_tokens(tokenizer, text) for text in first_turns(dataset, SPEED_N)]
         for proposals in PROPOSALS:
             results = run_side_by_side(candidates, model, prompts, TOKENS, stop_tokens(tokenizer), repeats=REPEATS,
-                                       proposals=proposals)
+                                       proposals=proposals, **sampled)
             for name, result in results.items():
                 s = result.summary()
                 print(f"| {dataset} | {name} | {proposals} | {s['baseline_tokens_per_s']:.1f} | "

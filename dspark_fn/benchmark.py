@@ -14,12 +14,15 @@ from .rounds import propose, verify
 from .stats import Tally
 
 
-def baseline_tokens(model, prompt: list[int], max_new_tokens: int, stop: set) -> list[int]:
-    """Greedy decoding with mlx-lm's generate_step, cut at the first stop token."""
+def baseline_tokens(model, prompt: list[int], max_new_tokens: int, stop: set, temperature: float = 0.0) -> list[int]:
+    """Decoding with mlx-lm's generate_step (greedy, or sampled at ``temperature``
+    with mlx-lm's own sampler), cut at the first stop token."""
     from mlx_lm.generate import generate_step
+    from mlx_lm.sample_utils import make_sampler
 
     tokens = []
-    steps = generate_step(mx.array(prompt), model, max_tokens=max_new_tokens, sampler=lambda x: mx.argmax(x, axis=-1))
+    sampler = make_sampler(temp=temperature) if temperature else (lambda x: mx.argmax(x, axis=-1))
+    steps = generate_step(mx.array(prompt), model, max_tokens=max_new_tokens, sampler=sampler)
     for token, _ in steps:
         tokens.append(int(token))
         if tokens[-1] in stop:
@@ -74,7 +77,7 @@ class BenchResult:
     baseline_tokens_per_s: list = field(default_factory=list)
     dspark_tokens_per_s: list = field(default_factory=list)
     acceptance: Tally = field(default_factory=Tally)
-    identical: bool = True
+    identical: bool | None = True  # None: sampled, nothing to compare token by token
     prompts: int = 0
     stages: list = field(default_factory=lambda: [0.0, 0.0, 0])
 
@@ -102,22 +105,25 @@ def run_side_by_side(candidates: dict, model, prompts, max_new_tokens, stop, rep
                      **options) -> dict[str, BenchResult]:
     """Each repeat runs every prompt through the target alone once, then through each
     candidate ``{name: params}`` (the order rotating by repeat); tokens/s per repeat, so
-    every candidate's ratio shares one baseline. Returns a result per candidate."""
+    every candidate's ratio shares one baseline. Returns a result per candidate.
+    With ``sampling=Sampling(temperature=T)`` among the options the target alone
+    samples at T too (mlx-lm's sampler), and tokens are not compared."""
     if not candidates:
         raise ValueError("run_side_by_side needs at least one candidate: pass {name: params}")
     stop = set(stop)
     names = list(candidates)
-    results = {name: BenchResult(prompts=len(prompts)) for name in names}
+    temperature = getattr(options.get("sampling"), "temperature", 0.0)
+    results = {name: BenchResult(prompts=len(prompts), identical=True if not temperature else None) for name in names}
     # Warm-up: compile dspark's kernels and mlx-lm's graph once, outside the timings.
     for params in candidates.values():
         dspark_tokens(params, prompts[0], 8, stop, **options)
-    baseline_tokens(model, prompts[0], 8, stop)
+    baseline_tokens(model, prompts[0], 8, stop, temperature)
     for repeat in range(repeats):
         order = names[repeat % len(names) :] + names[: repeat % len(names)]
         baseline = [0, 0.0]  # tokens, seconds; apart from the candidates', whatever their names
         counts = {name: [0, 0.0] for name in names}
         for prompt in prompts:
-            expected, seconds = timed(baseline_tokens, model, prompt, max_new_tokens, stop)
+            expected, seconds = timed(baseline_tokens, model, prompt, max_new_tokens, stop, temperature)
             baseline[0] += len(expected)
             baseline[1] += seconds
             for name in order:
@@ -127,7 +133,8 @@ def run_side_by_side(candidates: dict, model, prompts, max_new_tokens, stop, rep
                                         **options)
                 counts[name][0] += len(tokens)
                 counts[name][1] += seconds
-                result.identical &= tokens == expected
+                if not temperature:
+                    result.identical &= tokens == expected
             on_step()
         for name, result in results.items():
             result.baseline_tokens_per_s.append(baseline[0] / baseline[1])

@@ -26,7 +26,8 @@ def init_cache(params: Params, batch_size: int, capacity: int, seed: int = 0) ->
     """An empty cache; row b draws with the seed ``rng.row_seeds(seed, B)[b]``."""
     spec = params.spec
     return Cache(
-        target=spec.target_adapter.init_kv(spec.target, batch_size, capacity, activation_dtype(params.target)),
+        target=spec.target_adapter.init_kv(spec.target, batch_size, capacity,
+                                           activation_dtype(spec.target_adapter.layout, params.target)),
         draft=spec.draft_arch.init_context(spec.draft, batch_size, capacity),
         length=mx.zeros((batch_size,), mx.int32),
         seeds=row_seeds(seed, batch_size),

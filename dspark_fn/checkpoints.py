@@ -12,12 +12,18 @@ from .drafts import resolve_arch
 from .drafts.heads import DRAFT_VOCAB_KEY
 from .drafts.vocab import check_vocabulary, restrict_vocabulary
 from .files import read_config, read_safetensors, write_safetensors
-from .registry import family_of, mlx_lm_model_type
-from .targets import resolve_target, target_module, text_model_config
+from .interfaces import Layout
+from .targets import TARGET_REGISTRY, adapter_of, mlx_lm_wrapper, resolve_target, target_family, text_model_config
 from .types import PairSpec, Params
 
-# Draft tensors that DeepSpec copies from the target; taken from it when absent.
-SHARED_WITH_TARGET = ("embed_tokens.weight", "lm_head.weight")
+# Draft tensors that DeepSpec copies from the target (taken from it when
+# absent), and where the target's layout keeps each.
+SHARED_WITH_TARGET = {"embed_tokens.weight": Layout.embedding_module, "lm_head.weight": Layout.head_module}
+
+
+def shared_modules(layout: Layout, target_params: dict) -> dict:
+    """The target's modules a draft shares, by the draft's key (``SHARED_WITH_TARGET``)."""
+    return {key: module(layout, target_params) for key, module in SHARED_WITH_TARGET.items()}
 
 
 def load_target(directory, lazy: bool = False) -> tuple:
@@ -38,23 +44,43 @@ def load_target(directory, lazy: bool = False) -> tuple:
     adapter = resolve_target(text)
     if adapter.load_params is not None:
         params = adapter.load_params(directory)
+    elif text is not config:
+        release = TARGET_REGISTRY.release(config["model_type"])
+        params = release_text_model(directory, release, adapter.layout, text, lazy)
     else:
-        # mlx-lm's loader reads lazily and drops a multimodal release's
-        # vision and audio towers before anything is evaluated.
-        model, loaded = load_model(directory, lazy=lazy)
+        model, text = load_model(directory, lazy=lazy)
         params = dict(tree_unflatten(tree_flatten(model.parameters())))
-        if text is config:
-            text = loaded
-        else:
-            params = params["language_model"]
     return adapter, adapter.spec_from_config(text), params, text
+
+
+def release_text_model(directory: Path, release, layout: Layout, text: dict, lazy: bool) -> dict:
+    """The text model's tree of a multimodal release: mlx-lm builds the text
+    model from ``text`` (its config) and loads the tensors the release
+    declares its own (``Release.text_weights``, published or converted
+    layout). mlx-lm reads lazily, so the towers' tensors are never evaluated."""
+    from mlx_lm.utils import _get_classes, load_model
+
+    model_class, args_class = _get_classes(text)
+
+    class TextModel(model_class):
+        def sanitize(self, weights: dict) -> dict:
+            weights = release.text_weights(weights, layout.root)
+            return super().sanitize(weights) if hasattr(model_class, "sanitize") else weights
+
+    class TextArgs:
+        @staticmethod
+        def from_dict(_release_config: dict):
+            return args_class.from_dict(text)
+
+    model, _ = load_model(directory, lazy=lazy, get_model_classes=lambda config: (TextModel, TextArgs))
+    return dict(tree_unflatten(tree_flatten(model.parameters())))
 
 
 def check_draft_family(draft_config: dict, target_spec) -> None:
     """A draft that names its target family (DeepSpec writes ``target_model_type``
     / ``target_text_model_type``) must be paired with that family."""
-    named = {family_of(draft_config.get(key)) for key in ("target_model_type", "target_text_model_type")} - {None}
-    if named and family_of(target_spec.model_type) not in named:
+    named = {target_family(draft_config.get(key)) for key in ("target_model_type", "target_text_model_type")} - {None}
+    if named and target_family(target_spec.model_type) not in named:
         raise ValueError(
             f"draft was trained for a {' / '.join(sorted(named))} target, "
             f"not {target_spec.model_type!r}: pair it with its own target"
@@ -68,8 +94,7 @@ def check_draft_fits(draft_spec, target_spec) -> None:
         problems.append(f"vocab_size {draft_spec.vocab_size} != target's {target_spec.vocab_size}")
     if draft_spec.hidden_size != target_spec.hidden_size:
         problems.append(f"hidden_size {draft_spec.hidden_size} != target's {target_spec.hidden_size}")
-    # Most families never tap the last layer; DeepSeek-V4's drafter does.
-    last_tappable = getattr(target_spec, "last_layer_tappable", False)
+    last_tappable = adapter_of(target_spec).last_layer_tappable
     tappable = target_spec.num_layers if last_tappable else target_spec.num_layers - 1
     bad = [i for i in draft_spec.target_layer_ids if not 0 <= i < tappable]
     if bad:
@@ -124,9 +149,9 @@ def draft_params_from_weights(arch, spec, weights: dict, target_params: dict, ta
     if wrong:
         raise ValueError("draft checkpoint tensors have wrong shapes: " + "; ".join(wrong[:8]))
     params = tree_unflatten([(arch.key_map(key), value) for key, value in weights.items()])
-    for key in SHARED_WITH_TARGET:
+    for key, module in SHARED_WITH_TARGET.items():
         if key in expected and key not in weights:
-            params[arch.key_map(key).rsplit(".", 1)[0]] = target_module(target_params, key)
+            params[arch.key_map(key).rsplit(".", 1)[0]] = module(adapter_of(target_spec).layout, target_params)
     if arch.prepare_params:
         params = arch.prepare_params(spec, params)
     if spec.draft_vocab_size:  # the checkpoint's Markov rows are already the subset's
@@ -201,11 +226,11 @@ def mlx_lm_model(config: dict, target_params: dict):
     import mlx.nn as nn
     from mlx_lm.utils import _get_classes
 
-    config = dict(config, model_type=mlx_lm_model_type(config["model_type"]))
+    wrapper = mlx_lm_wrapper(config["model_type"])
+    if wrapper is not None:  # mlx-lm builds this text model inside its release
+        config, target_params = dict(config, model_type=wrapper.model_type), {wrapper.text: target_params}
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))
-    if "language_model" in model and "language_model" not in target_params:  # a release wrapping its text model
-        target_params = {"language_model": target_params}
     flat = dict(tree_flatten(target_params))
 
     def stored_quantization(path: str, module) -> dict | bool:

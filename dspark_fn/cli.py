@@ -320,10 +320,11 @@ def run_train(args) -> int:
         feature_taps=tuple(args.feature_taps) if args.feature_taps else None, markov_rank=args.markov_rank, draft_vocab=args.draft_vocab, answer_tokens=args.tokens,
         max_new_tokens=args.max_tokens, sources=tuple(args.sources.split(",")), prompts_file=args.prompts,
         answer_batch=args.answer_batch, shard_rows=args.shard_rows, held_out=args.held_out, init_draft=args.init_draft,
-        feature_workers=args.feature_workers,
+        feature_workers=args.feature_workers, held_out_file=args.held_out_prompts,
     )
     config = TrainConfig(steps=args.steps, learning_rate=args.lr, sequences_per_step=args.batch,
-                         checkpoint_every=args.checkpoint_every, steps_per_shard=args.steps_per_shard)
+                         checkpoint_every=args.checkpoint_every, steps_per_shard=args.steps_per_shard,
+                         loss_weights=tuple(args.loss_weights))
     distill(args.model, args.out, setup, config,
            log=lambda line: print(line, file=sys.stderr, flush=True), progress=progress)
     print(f"dspark: draft written to {args.out}/draft", file=sys.stderr)
@@ -332,10 +333,18 @@ def run_train(args) -> int:
 
 def run_serve(args) -> int:
     try:
-        from .serve.app import serve
+        from .serve.access import KEY_VARIABLE, is_loopback, read_keys
+        from .serve.app import serve, system_fingerprint
         from .serve.engine import Engine
     except ImportError as missing:
         raise SystemExit(f"dspark serve needs its extra: pip install 'dspark-fn[serve]' ({missing})") from None
+    from .catalog import resolve
+
+    keys = read_keys(args.api_key, args.api_key_file)
+    if not keys and not is_loopback(args.host) and not args.no_api_key:
+        raise SystemExit(f"dspark: --host {args.host} lets other machines reach the server, and it has no API key: "
+                         f"pass --api-key KEY (or --api-key-file FILE, or set {KEY_VARIABLE}), or --no-api-key to "
+                         f"serve anyone who can reach the port")
     params, tokenizer, _ = load(args)
     if tokenizer is None:
         raise SystemExit("dspark: this model has no tokenizer; the server needs one to read requests")
@@ -343,13 +352,16 @@ def run_serve(args) -> int:
     group = world_group()
     engine = Engine(
         params, max_batch=args.max_batch, max_context=args.max_context,
-        prompt_cache_bytes=args.prompt_cache_mb << 20, group=group, **verify_options(args),
+        prompt_cache_bytes=args.prompt_cache_mb << 20, group=group, max_queue=args.max_queue,
+        queue_timeout=args.queue_timeout, **verify_options(args),
     )
     if group.rank() != 0:  # no clients here: the same engine loop, its inputs from rank 0
         engine.follow()
         return 1 if engine.dead else 0
     print(f"dspark: serving {name} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
-    if serve(engine, tokenizer, name, args.host, args.port):
+    options = dict(fingerprint=system_fingerprint(name, resolve(args.model, args.draft)[1]), api_keys=keys,
+                   max_body_bytes=int(args.max_body_mb * (1 << 20)))
+    if serve(engine, tokenizer, name, args.host, args.port, **options):
         raise SystemExit(f"dspark: the decoding engine failed and could not start again ({engine.failure})")
     return 0
 
@@ -435,15 +447,19 @@ def build_parser() -> argparse.ArgumentParser:
     fit.add_argument("--steps", type=int, default=1000, help="optimizer steps")
     fit.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (4%% warmup, cosine decay)")
     fit.add_argument("--batch", type=int, default=8, help="sequences per step (16 anchor blocks each)")
+    fit.add_argument("--loss-weights", type=float, nargs=3, default=[0.1, 0.9, 1.0], metavar=("CE", "L1", "CONFIDENCE"),
+                     help="the loss mix: cross-entropy on the target's token, L1 to its top-16, confidence BCE")
     fit.add_argument("--steps-per-shard", type=int, default=25, help="consecutive steps drawn from one feature shard")
     fit.add_argument("--checkpoint-every", type=int, default=250, help="steps between checkpoints and tau checks")
     fit.add_argument("--held-out", type=int, default=8, help="last bundled prompts kept for the tau check")
+    fit.add_argument("--held-out-prompts", help="a .jsonl of prompts (turns or prompt per line) never trained on, "
+                     "whose answers score tau instead (e.g. corpus/held-out.jsonl)")
     fit.add_argument("--init-draft", help="start from this draft's weights with a fresh optimizer (a warm restart)")
     fit.add_argument("--resume", action="store_true", help="kept for old scripts: training continues the "
                      "checkpoint in --out by itself")
     fit.set_defaults(run=run_train)
 
-    serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching")
+    serve = commands.add_parser("serve", help="an OpenAI- and Anthropic-compatible HTTP server with continuous batching")
     add_model_arguments(serve)
     add_verify_arguments(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -452,6 +468,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-context", type=int, default=4096, help="prompt + completion tokens per request")
     serve.add_argument("--prompt-cache-mb", type=int, default=1024,
                        help="memory for finished conversations whose prefix a new request can reuse (0: off)")
+    serve.add_argument("--api-key", action="append", default=[],
+                       help="a key every request but /health must carry (Authorization: Bearer or x-api-key); "
+                       "repeatable; also --api-key-file and the DSPARK_API_KEY environment variable")
+    serve.add_argument("--api-key-file", help="a file of keys, one a line")
+    serve.add_argument("--no-api-key", action="store_true",
+                       help="serve without a key on an address other machines reach (refused otherwise)")
+    serve.add_argument("--max-body-mb", type=float, default=16, help="largest request body taken (413 past it)")
+    serve.add_argument("--max-queue", type=int, default=64,
+                       help="requests that may wait for a row; past it new ones get 429 with Retry-After")
+    serve.add_argument("--queue-timeout", type=float, default=600,
+                       help="seconds a request may wait for a row before it ends with a timeout error (504)")
     serve.set_defaults(run=run_serve)
 
     models = commands.add_parser("models", help="list the model aliases")

@@ -17,9 +17,10 @@ from dataclasses import replace
 
 import mlx.core as mx
 
-from .checkpoints import SHARED_WITH_TARGET
+from .checkpoints import shared_modules
+from .interfaces import TargetAdapter
 from .sharding import Ranks, resident_bytes, vocabulary_rows
-from .targets import resolve_target, target_module
+from .targets import resolve_target
 from .targets.base import pipeline_stages
 from .types import Params
 
@@ -42,23 +43,17 @@ def check_split(config: dict, size: int, pipeline: bool = False) -> None:
         ranks.share(count, what)
 
 
-def layer_container(target: dict) -> str:
-    """Where a target tree keeps its decoder layers (Nemotron-H: under ``backbone``)."""
-    return "model" if "model" in target else "backbone"
-
-
-def pipeline_share(spec, target: dict, ranks: Ranks) -> dict:
+def pipeline_share(adapter: TargetAdapter, spec, target: dict, ranks: Ranks) -> dict:
     """This rank's stretch of whole layers (``{}`` for the others') and vocabulary rows."""
-    root = layer_container(target)
-    layers = target[root]["layers"]
+    layout = adapter.layout
+    layers = layout.layers(target)
     stage = pipeline_stages(len(layers), ranks.size)[ranks.rank]
-    sources = getattr(spec, "kv_source", range(len(layers)))  # Gemma 4: layers that read an earlier layer's keys
-    split = [index for index, source in enumerate(sources) if (index in stage) != (source in stage)]
+    split = [(layer, read) for layer, read in adapter.pipeline_links(spec) if (layer in stage) != (read in stage)]
     if split:
-        raise ValueError(f"layer {split[0]} reads the keys of layer {sources[split[0]]}, which another rank runs: "
+        raise ValueError(f"layer {split[0][0]} reads the cache of layer {split[0][1]}, which another rank runs: "
                          f"use a number of ranks that keeps them together")
-    shared = {key: target_module(target, key) for key in SHARED_WITH_TARGET}
-    vocabulary = shared["embed_tokens.weight"]["weight"].shape[0]
+    shared = shared_modules(layout, target)
+    vocabulary = layout.embedding_module(target)["weight"].shape[0]
     split_rows = {
         id(module): vocabulary_rows(module, ranks) if vocabulary % ranks.size == 0 else module
         for module in shared.values()
@@ -69,23 +64,20 @@ def pipeline_share(spec, target: dict, ranks: Ranks) -> dict:
             return split_rows[id(tree)]
         return {key: kept(value) for key, value in tree.items()} if isinstance(tree, dict) else tree
 
-    target = kept(target)
-    target[root] = dict(target[root], layers=[layer if index in stage else {} for index, layer in enumerate(layers)])
-    return target
+    return layout.with_layers(kept(target), [layer if index in stage else {} for index, layer in enumerate(layers)])
 
 
 def shard_pair(params: Params, ranks: Ranks, pipeline: bool = False) -> Params:
     """The pair with this rank's share of the target (tensor parallel, or
     pipeline); the draft stays whole and reads the target's shared
     embedding and head through their shards."""
-    spec = params.spec
+    spec, layout = params.spec, params.spec.target_adapter.layout
     if pipeline:
-        target_spec, target = spec.target, pipeline_share(spec.target, params.target, ranks)
+        target_spec, target = spec.target, pipeline_share(spec.target_adapter, spec.target, params.target, ranks)
     else:
         target_spec, target = spec.target_adapter.shard_tensor(spec.target, params.target, ranks)
-    shared = {
-        id(target_module(params.target, key)["weight"]): target_module(target, key) for key in SHARED_WITH_TARGET
-    }
+    whole, split = shared_modules(layout, params.target), shared_modules(layout, target)
+    shared = {id(whole[key]["weight"]): split[key] for key in whole}
     draft = {
         name: shared.get(id(module.get("weight")), module) if isinstance(module, dict) else module
         for name, module in params.draft.items()

@@ -22,7 +22,7 @@ from .buffers import capacity_for, check_rows, check_writes, grow_cache, init_ca
 from .cache import Cache
 from .kernel import compiled
 from .rng import row_seeds, uniforms
-from .sampling import GREEDY, batch_sampling, choose, token_log_probs
+from .sampling import GREEDY, Mode, RowSampling, batch_sampling, choose, token_log_probs
 from .types import PairSpec, Params, TokenLogProbs
 
 PREFILL_CHUNK = 64  # the smallest chunk where bigger matmuls cost less per token
@@ -40,8 +40,13 @@ def smallest_chunk() -> int:
 
 
 @lru_cache(maxsize=None)
-def _chunk_kernel(spec: PairSpec):
-    def chunk(target, draft, cache: Cache, tokens, start, first, last_row, last_logits):
+def _chunk_kernel(spec: PairSpec, top: int = 0):
+    """The prefill of one chunk. With ``top`` (K > 0) it also scores every
+    position's next prompt token (``following``, -1 where there is none):
+    its log-probability under the target's softmax and the K most likely
+    tokens there, from the same logits (the head then runs at every position)."""
+
+    def chunk(target, draft, cache: Cache, tokens, start, first, last_row, last_logits, *following):
         """One chunk of every row's prompt at positions ``start[b] + i``; keeps
         the target's logits at each row's last prompt token once a chunk holds it."""
         adapter = spec.target_adapter
@@ -56,9 +61,23 @@ def _chunk_kernel(spec: PairSpec):
         in_chunk = (row >= 0) & (row < tokens.shape[1])
         picked = mx.take_along_axis(hidden, mx.clip(row, 0, tokens.shape[1] - 1)[:, None, None], axis=1)
         logits = adapter.logits(spec.target, target, picked[:, 0])
-        return cache._replace(target=target_kv, draft=draft_state), mx.where(in_chunk[:, None], logits, last_logits)
+        state = cache._replace(target=target_kv, draft=draft_state)
+        if not top:
+            return state, mx.where(in_chunk[:, None], logits, last_logits)
+        (following,) = following
+        return state, mx.where(in_chunk[:, None], logits, last_logits), next_token_scores(
+            adapter.logits(spec.target, target, hidden), following, top
+        )
 
-    return compiled("prefill", chunk)
+    return compiled("score" if top else "prefill", chunk)
+
+
+def next_token_scores(logits: mx.array, following: mx.array, top: int) -> TokenLogProbs:
+    """``[B, L]``: each ``following`` token's log-probability under the softmax
+    of ``logits [B, L, V]`` (0 where it is -1), and the ``top`` most likely
+    tokens there, most likely first."""
+    plain = RowSampling(*(mx.full(logits.shape[:1], value) for value in (0.0, 0, 1.0)))
+    return TokenLogProbs(*token_log_probs(logits, following, plain, Mode(), top))
 
 
 def as_rows(prompt) -> list[list[int]]:
@@ -116,6 +135,32 @@ def prefill(params: Params, cache: Cache, prompt, *, sampling=GREEDY, chunk_size
     and the target's K most likely first tokens.
     """
     rows = as_rows(prompt)
+    state, last_logits, _ = _run_prompts(params, cache, rows, chunk_size=chunk_size, grow=grow)
+    return _first_tokens(params, cache, state, last_logits, rows, sampling, top_log_probs)
+
+
+def score_prompt(params: Params, cache: Cache, prompt, *, top: int = 1, sampling=GREEDY, grow: bool = False):
+    """``prefill`` that also scores the prompt: the log-probability, under the
+    target's softmax, of each given token after a row's first (predicted at
+    the position before it, from the prefill's own logits), with the ``top``
+    (K >= 1) most likely tokens there. Returns ``(cache, tokens,
+    TokenLogProbs of the first tokens, TokenLogProbs [B, L - 1] of the
+    prompt)``; row b's prompt scores are its first ``len(prompt[b]) - 1``
+    entries. The cache is the one ``prefill`` leaves, so generation (or a
+    prompt cache) continues from it; a row that continues a cached prefix is
+    scored from its first given token on (the prefix's own positions are not
+    computed again)."""
+    if top < 1:
+        raise ValueError(f"top must be at least 1 (the most likely tokens listed with each score), got {top}")
+    rows = as_rows(prompt)
+    state, last_logits, scored = _run_prompts(params, cache, rows, grow=grow, top=top)
+    return (*_first_tokens(params, cache, state, last_logits, rows, sampling, top), scored)
+
+
+def _run_prompts(params: Params, cache: Cache, rows: list, *, chunk_size: int | None = None, grow: bool = False,
+                 top: int = 0):
+    """The prompts through the target, chunk by chunk: ``(cache after them, the
+    logits at each row's last token, the next-token scores [B, L - 1] or None)``."""
     if len(rows) != cache.batch_size:
         raise ValueError(f"{len(rows)} prompts for a cache of batch size {cache.batch_size}")
     vocab = params.spec.target.vocab_size
@@ -137,25 +182,35 @@ def prefill(params: Params, cache: Cache, prompt, *, sampling=GREEDY, chunk_size
         state = tree_map(lambda a: a[mx.array(running)], state)
     offsets = mx.array(starts[running], mx.int32)
     padded = mx.array([rows[i] + [0] * (padded_length - len(rows[i])) for i in running], mx.int32)
+    following = mx.array([rows[i][1:] + [-1] * (padded_length - len(rows[i]) + 1) for i in running], mx.int32)
     last_rows = offsets + mx.array([len(rows[i]) - 1 for i in running], mx.int32)
-    kernel = _chunk_kernel(params.spec)
-    last_logits = mx.zeros((len(running), vocab), mx.float32)
+    kernel = _chunk_kernel(params.spec, top)
+    last_logits, scored = mx.zeros((len(running), vocab), mx.float32), []
     for begin, size in chunk_spans(padded_length, sizes):
         if grow:
             state = grow_cache(params, state, capacity_for(int(starts.max()) + begin + size))
         check_writes(starts[running] + begin, size, state.capacity, "prefill chunk", rows=running)
-        state, last_logits = kernel(params.target, params.draft, state, padded[:, begin : begin + size],
-                                    offsets + begin, offsets, last_rows, last_logits)
+        extra = (following[:, begin : begin + size],) if top else ()
+        state, last_logits, *chunk_scores = kernel(params.target, params.draft, state, padded[:, begin : begin + size],
+                                                   offsets + begin, offsets, last_rows, last_logits, *extra)
+        scored += chunk_scores
+    scores = [mx.concatenate(parts, axis=1)[:, : padded_length - 1] for parts in zip(*scored)]  # [] unless top
     if len(running) < len(rows):
         index = mx.array(source)
-        state, last_logits = tree_map(lambda a: a[index], (state, last_logits))
+        state, last_logits, scores = tree_map(lambda a: a[index], (state, last_logits, scores))
     lengths = mx.array(starts + np.array([len(r) for r in rows]), mx.int32)
+    return state._replace(length=lengths), last_logits, TokenLogProbs(*scores) if top else None
+
+
+def _first_tokens(params: Params, cache: Cache, state: Cache, last_logits, rows: list, sampling, top: int | None):
+    """Each row's first generated token from its last prompt logits (and their scores with ``top``)."""
     settings = batch_sampling(sampling, len(rows))
-    draws = uniforms(cache.seeds, lengths, rng.PREFILL, (vocab,)) if settings.mode.sampled else None
-    state, tokens = state._replace(length=lengths, seeds=cache.seeds), choose(last_logits, *settings, draws)
-    if top_log_probs is None:
+    vocab = params.spec.target.vocab_size
+    draws = uniforms(cache.seeds, state.length, rng.PREFILL, (vocab,)) if settings.mode.sampled else None
+    state, tokens = state._replace(seeds=cache.seeds), choose(last_logits, *settings, draws)
+    if top is None:
         return state, tokens
-    return state, tokens, TokenLogProbs(*token_log_probs(last_logits, tokens, *settings, top_log_probs))
+    return state, tokens, TokenLogProbs(*token_log_probs(last_logits, tokens, *settings, top))
 
 
 def insert(params: Params, cache: Cache, rows: Sequence[int], prompts, *, sampling=GREEDY, seeds: Sequence[int] = (),

@@ -83,6 +83,7 @@ def quantize_target(config: dict, target_params: dict, bits: int) -> tuple[dict,
     import mlx.nn as nn
 
     from .checkpoints import mlx_lm_model
+    from .targets import mlx_lm_wrapper
 
     check_bits(bits, "target")
     if config.get("quantization"):
@@ -91,6 +92,7 @@ def quantize_target(config: dict, target_params: dict, bits: int) -> tuple[dict,
     layout = {"group_size": GROUP_SIZE, "bits": bits, "mode": "affine"}
     nn.quantize(model, group_size=GROUP_SIZE, bits=bits, class_predicate=convert_predicate(model, layout))
     params = tree_unflatten(tree_flatten(model.parameters()))
-    if "language_model" not in target_params:  # mlx-lm wraps this text model in its multimodal release
-        params = params.get("language_model", params)
+    wrapper = mlx_lm_wrapper(config["model_type"])
+    if wrapper is not None:  # mlx-lm built the text model inside its release
+        params = params[wrapper.text]
     return params, {**config, "quantization": layout}

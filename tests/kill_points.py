@@ -8,8 +8,8 @@ in the middle of it, inside the real write: once the file (or folder) it
 writes is filled, ``MODE`` ``torn`` cuts it to half its bytes and ``unrenamed``
 leaves it whole, then the process dies before the write returns (an
 appended line is cut short, or not written).
-Each write's stage (answers, features, checkpoint, draft) is added to
-``LOG`` before it happens, the kill's with a ``kill`` mark.
+Each write's stage (answers, features, checkpoints, draft) and file name
+are added to ``LOG`` before it happens, the kill's with a ``kill`` mark.
 """
 
 import os
@@ -39,7 +39,7 @@ def counted(name: str, kill_inside):
         global count
         count += 1
         with log_path.open("a") as log:
-            log.write(f"{stage_of(path)} {'kill' if count == kill_at else 'write'}\n")
+            log.write(f"{stage_of(path)} {Path(path).name} {'kill' if count == kill_at else 'write'}\n")
         if count == kill_at:
             kill_inside(original, Path(path), payload)
         return original(path, payload)

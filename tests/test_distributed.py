@@ -167,7 +167,8 @@ def test_a_pipeline_keeps_layers_that_share_keys_together():
 
     params = dspark_fn.load(PARITY / "gemma4_tiny" / "target", PARITY / "gemma4_tiny" / "draft")
     sharing = replace(params.spec.target, kv_source=(0, 1, 2, 3, 4, 4))  # layer 5 reads layer 4's keys
+    adapter = params.spec.target_adapter
     for ranks in (2, 3):  # stages ending 3/6 and 2/4/6 keep layers 4 and 5 together
-        assert all(pipeline_share(sharing, params.target, Ranks(rank, ranks)) for rank in range(ranks))
-    with pytest.raises(ValueError, match="layer 5 reads the keys of layer 4, which another rank runs"):
-        pipeline_share(sharing, params.target, Ranks(3, 5))  # stages 0, 1, 2-3, 4, 5
+        assert all(pipeline_share(adapter, sharing, params.target, Ranks(rank, ranks)) for rank in range(ranks))
+    with pytest.raises(ValueError, match="layer 5 reads the cache of layer 4, which another rank runs"):
+        pipeline_share(adapter, sharing, params.target, Ranks(3, 5))  # stages 0, 1, 2-3, 4, 5

@@ -107,7 +107,7 @@ def replies(requests: list) -> list:
 async def texts(api, job) -> list:
     """The text of each piece the server's stream hands out for ``job`` (one request)."""
     [request] = api.submit(job)
-    return [piece async for piece, _, _ in api.pieces(job, request)]
+    return [piece.text async for piece in api.pieces(job, request)]
 
 
 async def streamed(api, job) -> tuple[str, str]:
@@ -148,12 +148,12 @@ def test_a_stop_string_split_across_two_rounds_is_held_back(pair):
     try:
         api = Api(engine, load_tokenizer(root / "target"), "guards")
         body = {"prompt": "hello world", "max_tokens": 30, "temperature": 0}
-        pieces = asyncio.run(texts(api, api.job(body, "text")))
+        pieces = asyncio.run(texts(api, api.reader.job(body, "text")))
         stop, cut = straddling_stop(pieces)
-        job = api.job(body | {"stop": [stop]}, "text")
+        job = api.reader.job(body | {"stop": [stop]}, "text")
         reply = asyncio.run(api.complete(job))["choices"][0]
         assert (reply["text"], reply["finish_reason"]) == ("".join(pieces)[:cut], "stop")
-        assert asyncio.run(streamed(api, api.job(body | {"stop": stop, "stream": True}, "text"))) == (
+        assert asyncio.run(streamed(api, api.reader.job(body | {"stop": stop, "stream": True}, "text"))) == (
             "".join(pieces)[:cut], "stop"
         )
     finally:

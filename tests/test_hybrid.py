@@ -13,6 +13,7 @@ Breaks tried, and the tests that catch them:
   ``PromptCache.lookup``): test_a_stored_state_is_reused_only_at_its_length.
 """
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
@@ -23,6 +24,7 @@ from helpers import (
     PROPOSALS, build_draft, build_target, drive_proposals, mlx_lm_greedy, random_prompt, speculative_tokens, wrong_token,
 )
 from hybrids import HYBRID_SHAPES, hybrid_draft_config
+from numerics import assert_fp32_close
 
 pytestmark = pytest.mark.numerics
 
@@ -134,3 +136,16 @@ def test_a_stored_state_is_reused_only_at_its_length(pair):
     while len(resumed) < 30:
         resumed += fresh.step().emitted[0]
     assert resumed == mlx_lm_greedy(model, follow_up, len(resumed))
+
+
+def test_prompt_scores_equal_mlx_lm(pair):
+    """``score_prompt`` on a recurrent target: a prompt over two chunks (the
+    second padded past its end) scored as mlx-lm's log-softmax of its logits."""
+    model, params, vocab = pair
+    prompt = random_prompt(np.random.default_rng(5), 100, vocab)
+    _, _, _, scored = dspark_fn.score_prompt(params, dspark_fn.init_cache(params, 1, 128), [prompt], top=3)
+    logits = model(mx.array([prompt]))[0, :-1].astype(mx.float32)
+    expected = np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+    deepest = max(shape["num_hidden_layers"] for shape in HYBRID_SHAPES.values())
+    assert_fp32_close(scored.log_probs[0, : len(prompt) - 1], expected[np.arange(len(prompt) - 1), prompt[1:]],
+                      "prompt scores", layers=deepest, reduction=vocab)

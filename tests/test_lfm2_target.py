@@ -18,7 +18,10 @@ Breaks tried (each restored after), and the tests that caught them
   ``embedding_norm`` weight ignored (each alone): prefill/decode, rollback;
 - conv bias dropped: lfm2 prefill/decode, rollback;
 - expert bias ignored in the choice, routed scaling or top-k normalisation
-  dropped (each alone): lfm2_moe prefill/decode, rollback.
+  dropped (each alone): lfm2_moe prefill/decode, rollback;
+- a release loaded through mlx-lm's own lfm2-vl wrapper instead of its
+  declared text weights (``Release.text_weights``): lfm2-vl[published]
+  ("Received 59 parameters not in model").
 """
 
 import json
@@ -142,18 +145,36 @@ def test_rollback_to_every_kept_count_matches_an_uncached_forward(target):
     close(ours(block, len(committed)), expected, "block after keeping 5", config)
 
 
-def test_multimodal_release_runs_its_text_model(tmp_path):
-    """An ``lfm2-vl`` release (vision tower beside the text model) loads as an
-    lfm2 target over its ``language_model`` weights."""
+def published_layout(weights: dict) -> dict:
+    """mlx-lm's ``lfm2-vl`` tree as the transformers release names and shapes
+    it: the text model and the towers under ``model.``, conv kernels ``[D, 1, K]``."""
+    published = {}
+    for key, value in weights.items():
+        if "conv.conv.weight" in key:
+            value = value.transpose(0, 2, 1)
+        published["model." + key.replace("language_model.model.", "language_model.")] = value
+    return published
+
+
+@pytest.mark.parametrize("layout", ["converted", "published"])
+def test_multimodal_release_runs_its_text_model(tmp_path, layout):
+    """An ``lfm2-vl`` release (vision tower and projector beside the text
+    model) loads as an lfm2 target over its text model's weights, in the
+    layout mlx-vlm converts to (``language_model.model.*``) and in the
+    published one (``model.language_model.*``, which mlx-lm's own lfm2-vl
+    loader cannot read)."""
     from mlx_lm.utils import _get_classes
 
     text = HYBRID_SHAPES["lfm2"]
-    config = {"model_type": "lfm2-vl", "text_config": dict(text)}
+    config = {"model_type": "lfm2-vl", "architectures": ["Lfm2VlForConditionalGeneration"], "text_config": dict(text)}
     model_class, args_class = _get_classes(config)
     mx.random.seed(4)
     model = model_class(args_class.from_dict(json.loads(json.dumps(config))))
     weights = dict(tree_flatten(model.parameters()))
     weights["vision_tower.encoder.weight"] = mx.zeros((4, 4))
+    weights["multi_modal_projector.linear_1.weight"] = mx.zeros((4, 4))
+    if layout == "published":
+        weights = published_layout(weights)
     (tmp_path / "config.json").write_text(json.dumps(config))
     mx.save_safetensors(str(tmp_path / "model.safetensors"), weights)
     adapter, spec, params, loaded = load_target(tmp_path)

@@ -16,10 +16,11 @@ import numpy as np
 import pytest
 
 import dspark_fn
+from dspark_fn.buffers import take_rows
 from dspark_fn.driver import Decoder
 from dspark_fn.rounds import no_proposal
 from dspark_fn.sampling import GREEDY, Sampling, batch_sampling, log_probs
-from dspark_fn.types import Proposal
+from dspark_fn.types import Proposal, TokenScore
 from helpers import PROPOSALS, build_draft, build_target, draft_config, mlx_lm_greedy, random_prompt, target_config
 from numerics import assert_fp32_close
 
@@ -80,8 +81,6 @@ def test_scores_equal_mlx_lm_whatever_the_round_accepted(pair, kind):
                    for i in range(count)]
         anchor = result.next_tokens
     assert emitted == truth[: len(emitted)]
-    from dspark_fn.types import TokenScore
-
     check_scores(reference(model, prompt, emitted), emitted, [TokenScore(*s) for s in scores], kind)
 
 
@@ -135,3 +134,46 @@ def test_rows_that_do_not_ask_get_no_scores(pair):
     decoder.insert([1], [[4, 5]], top_log_probs=2)
     step = decoder.step()
     assert step.log_probs[0] is None and all(len(s.top) == 2 for s in step.log_probs[1])
+
+
+def row_scores(scored, row: int, count: int) -> list:
+    """Row ``row``'s first ``count`` entries of a ``TokenLogProbs`` as ``TokenScore``s."""
+    return [TokenScore(value, list(zip(ids, values))) for value, ids, values in zip(
+        scored.log_probs[row, :count].tolist(), scored.top_ids[row, :count].tolist(),
+        scored.top_log_probs[row, :count].tolist())]
+
+
+def test_prompt_scores_are_the_targets_and_the_cache_goes_on(pair):
+    """``score_prompt``: every given token after a row's first scored from the
+    prefill's own logits (a row of two chunks beside a row of one, and a row
+    continuing a cached prefix, scored from its first new token on), the top
+    tokens in order; other lengths in the same buckets trace nothing new; the
+    cache it leaves decodes on as mlx-lm greedy does."""
+    model, params = pair
+    rng = np.random.default_rng(9)
+    prompts = [random_prompt(rng, length, CONFIG["vocab_size"]) for length in (300, 37)]
+    cache, first, first_scores, scored = dspark_fn.score_prompt(
+        params, dspark_fn.init_cache(params, 2, 128), prompts, top=TOP, grow=True)
+    assert scored.log_probs.shape[1] == 319  # padded to 320; row b's first len(prompt) - 1 entries count
+    for row, prompt in enumerate(prompts):
+        check_scores(reference(model, prompt[:1], prompt[1:]), prompt[1:], row_scores(scored, row, len(prompt) - 1),
+                     f"prompt row {row}")
+        assert int(first[row]) == mlx_lm_greedy(model, prompt, 1)[0]
+    expected_first = [float(reference(model, p, [int(t)])[0, int(t)]) for p, t in zip(prompts, first)]
+    assert_fp32_close(first_scores.log_probs, expected_first, "first tokens", **BUDGET)
+
+    traces = dspark_fn.TRACE_COUNTS["score"]
+    others = [random_prompt(rng, length, CONFIG["vocab_size"]) for length in (290, 50)]
+    dspark_fn.score_prompt(params, dspark_fn.init_cache(params, 2, 128), others, top=TOP, grow=True)
+    assert dspark_fn.TRACE_COUNTS["score"] == traces
+
+    prefix = take_rows(cache, [1], 1)._replace(length=mx.array([20], mx.int32))
+    decoder = Decoder(params, 1, width=4)
+    stream = decoder.insert([0], [prompts[1]], prefix=prefix).emitted[0]
+    while len(stream) < 12:
+        stream += decoder.step().emitted[0]
+    assert stream[:12] == mlx_lm_greedy(model, prompts[1], 12)
+    tail = prompts[1][20:]
+    *_, continued = dspark_fn.score_prompt(params, prefix, [tail], top=TOP)
+    check_scores(reference(model, prompts[1][:21], tail[1:]), tail[1:], row_scores(continued, 0, len(tail) - 1),
+                 "continued")

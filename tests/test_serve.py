@@ -131,6 +131,15 @@ def detokenized(tokenizer, tokens: list) -> str:
     return detokenizer.text
 
 
+def continued(tokenizer, prompt: list, tokens: list) -> str:
+    """A completion's text: what ``tokens`` (stop tokens left out) add to the decoded prompt."""
+    stops = set(stop_tokens(tokenizer))
+    head = tokenizer.decode(prompt)
+    whole = tokenizer.decode(prompt + [t for t in tokens if t not in stops])
+    assert whole.startswith(head)
+    return whole[len(head) :]
+
+
 def reference_tokens(library, prompt: list, max_tokens: int) -> list:
     params, tokenizer = library
     stops = stop_tokens(tokenizer)
@@ -168,6 +177,8 @@ def test_greedy_chat_equals_the_library(client, library):
     assert reply.choices[0].message.content == reference_text(library, "hello world", 24)
     assert reply.usage.completion_tokens <= 24 and reply.usage.prompt_tokens > 0
     assert reply.model_extra["dspark"]["rounds"] >= 1
+    assert reply.system_fingerprint.startswith("dspark_fn ") and f"target {MODEL}; draft {MODEL[:-len('target')]}draft" \
+        in reply.system_fingerprint
 
 
 def test_stream_carries_the_same_text(client, library):
@@ -212,7 +223,7 @@ def test_text_completions_and_usage(client, library):
     reply = client.completions.create(model=MODEL, prompt="hello world", max_tokens=10, temperature=0)
     prompt = tokenizer.encode("hello world")
     tokens = reference_tokens(library, prompt, 10)
-    assert reply.choices[0].text == detokenized(tokenizer, tokens)
+    assert reply.choices[0].text == continued(tokenizer, prompt, tokens)
     assert reply.usage.prompt_tokens == len(prompt) and reply.usage.completion_tokens == len(tokens)
 
 
@@ -286,6 +297,25 @@ def test_a_response_continued_by_id_reuses_the_cached_prompt(client, library):
                                      max_output_tokens=8, temperature=0)
     assert second.usage.input_tokens_details.cached_tokens > 0
     assert second.usage.input_tokens > first.usage.input_tokens
+
+
+def test_an_anthropic_message_equals_the_chat_completion(server, client, library):
+    """The same conversation through the ``anthropic`` client (whole and
+    streamed) and through chat completions: the same greedy text."""
+    anthropic = pytest.importorskip("anthropic")
+    messages = [{"role": "user", "content": "tell me about the lazy dog"}]
+    chat_reply = client.chat.completions.create(model=MODEL, messages=[{"role": "system", "content": "Be kind."}] +
+                                                messages, max_tokens=20, temperature=0)
+    claude = anthropic.Anthropic(base_url=server[0], api_key="unused", max_retries=0)
+    greedy = {"temperature": 0}  # this client sends sampling settings as extra body fields
+    message = claude.messages.create(model=MODEL, system="Be kind.", messages=messages, max_tokens=20,
+                                     extra_body=greedy)
+    assert message.content[0].text == chat_reply.choices[0].message.content
+    assert message.stop_reason == {"length": "max_tokens", "stop": "end_turn"}[chat_reply.choices[0].finish_reason]
+    assert message.usage.input_tokens + message.usage.cache_read_input_tokens == chat_reply.usage.prompt_tokens
+    with claude.messages.stream(model=MODEL, system="Be kind.", messages=messages, max_tokens=20,
+                                extra_body=greedy) as stream:
+        assert "".join(stream.text_stream) == message.content[0].text
 
 
 def log_softmax_reference(pair, prompt: list, tokens: list) -> np.ndarray:
@@ -364,6 +394,75 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, cli
 def test_malformed_json(server):
     code, reply = post(server[0] + "/v1/chat/completions", b"{not json")
     assert code == 400 and "not valid JSON" in reply["error"]["message"]
+
+
+# ---- prompt scoring: echo with log-probabilities, as lm-eval asks for it
+
+
+def scored_completion(base: str, prompts: list, max_tokens: int, logprobs: int = 1, **extra) -> dict:
+    status, body = post(base + "/v1/completions", json.dumps({
+        "model": MODEL, "prompt": prompts, "echo": True, "logprobs": logprobs, "max_tokens": max_tokens,
+        "temperature": 0, **extra}).encode())
+    assert status == 200, body
+    return body
+
+
+def test_echo_scores_every_prompt_token_then_the_generated_one(server, library, pair):
+    """lm-eval's request (``prompt: [[ids]], echo, logprobs: 1, max_tokens: 1``),
+    two prompts at once: per choice, the prompt's text then the token's,
+    one entry per prompt token (the first without a score, the others
+    mlx-lm's log-softmax of the target's logits at the position before) and
+    one for the generated token, whose top-1 is the greedy token; sums over
+    ``[ctxlen:-1]`` are then the continuation's log-likelihood."""
+    params, tokenizer = library
+    prompts = [tokenizer.encode("the quick brown fox jumps"), tokenizer.encode("hello world, the lazy dog")]
+    reply = scored_completion(server[0], prompts, max_tokens=1)
+    assert [choice["index"] for choice in reply["choices"]] == [0, 1]
+    bound = None
+    for prompt, choice in zip(prompts, reply["choices"]):
+        (token,) = reference_tokens(library, prompt, 1)
+        expected = log_softmax_reference(pair, prompt[:1], prompt[1:] + [token])
+        bound = bound or fp32_bound(expected, layers=8, reduction=320)
+        log_probs = choice["logprobs"]
+        assert len(log_probs["token_logprobs"]) == len(prompt) + 1 and log_probs["token_logprobs"][0] is None
+        wanted = expected[np.arange(len(prompt)), prompt[1:] + [token]]
+        assert np.abs(np.array(log_probs["token_logprobs"][1:]) - wanted).max() <= bound
+        assert choice["text"] == tokenizer.decode(prompt) + continued(tokenizer, prompt, [token])
+        assert "".join(log_probs["tokens"]) == choice["text"]
+        assert log_probs["text_offset"][-1] == len(tokenizer.decode(prompt))
+        assert [len(top) for top in log_probs["top_logprobs"][1:]] == [1] * len(prompt)
+        greedy_top = log_probs["top_logprobs"][-1]
+        assert list(greedy_top.values()) == [log_probs["token_logprobs"][-1]]  # lm-eval's is_greedy reads this
+    assert reply["usage"]["prompt_tokens"] == sum(map(len, prompts)) and reply["usage"]["completion_tokens"] == 2
+
+
+def test_echo_with_no_new_tokens_and_then_the_prompt_cache(server, client, library, pair):
+    """``max_tokens: 0`` with echo scores the prompt and generates nothing;
+    its cache is kept, so a request that continues the prompt reuses it."""
+    params, tokenizer = library
+    prompt = tokenizer.encode("tell me about the lazy dog and the quick brown fox, and the world")
+    (choice,) = scored_completion(server[0], [prompt], max_tokens=0, logprobs=3)["choices"]
+    assert choice["finish_reason"] == "length" and choice["text"] == tokenizer.decode(prompt)
+    assert len(choice["logprobs"]["token_logprobs"]) == len(prompt)
+    tops = choice["logprobs"]["top_logprobs"][1:]  # texts as keys: tokens that decode alike share one
+    assert all(1 <= len(top) <= 3 and max(top.values()) >= lp for top, lp in zip(tops, choice["logprobs"]["token_logprobs"][1:]))
+    follow = client.completions.create(model=MODEL, prompt=prompt + tokenizer.encode(" again"), max_tokens=4,
+                                       temperature=0)
+    assert follow.usage.prompt_tokens_details.cached_tokens >= len(prompt) - 1
+
+
+def test_echo_with_a_row_generates_as_without(server, client, library):
+    """Echo with several new tokens: the scored prompt's cache is the row's
+    prefix, and the tokens are those of the same request without echo."""
+    params, tokenizer = library
+    prompt = tokenizer.encode("the lazy dog")
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, logprobs=0)
+    (choice,) = scored_completion(server[0], [prompt], max_tokens=6, logprobs=0)["choices"]
+    assert choice["text"] == tokenizer.decode(prompt) + plain.choices[0].text
+    assert len(choice["logprobs"]["tokens"]) == len(prompt) + len(plain.choices[0].logprobs.tokens)
+    stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, echo=True,
+                                       stream=True)
+    assert "".join(chunk.choices[0].text for chunk in stream) == choice["text"]
 
 
 def test_a_client_that_leaves_frees_its_row(server, client):
@@ -474,10 +573,166 @@ def test_hybrid_conversation_resumes_from_its_stored_state(hybrid):
     opening = chat_tokens(tokenizer, OPENING)
     answer = client.completions.create(model=name, prompt=opening, max_tokens=first_turn, temperature=0)
     reply = greedy_reply(model, tokenizer, opening, first_turn)
-    assert answer.choices[0].text == detokenized(tokenizer, reply)
+    assert answer.choices[0].text == continued(tokenizer, opening, reply)
     assert answer.model_extra["dspark"]["acceptance_rate"] > 0.5  # the draft knows this answer
     follow_up = opening + reply + chat_tokens(tokenizer, "and the world?")
     second = client.completions.create(model=name, prompt=follow_up, max_tokens=HYBRID_NEW_TOKENS, temperature=0)
     assert second.model_extra["dspark"]["prompt_cache_hit"]
     assert len(opening) < second.usage.prompt_tokens_details.cached_tokens < len(opening) + len(reply)
-    assert second.choices[0].text == detokenized(tokenizer, greedy_reply(model, tokenizer, follow_up, HYBRID_NEW_TOKENS))
+    assert second.choices[0].text == continued(tokenizer, follow_up, greedy_reply(model, tokenizer, follow_up, HYBRID_NEW_TOKENS))
+
+
+def test_hybrid_echo_scores_the_prompt_and_generates_as_mlx_lm(hybrid):
+    """Echo with log-probabilities and several new tokens on a recurrent
+    target: the prompt scored as mlx-lm's log-softmax, the tokens after it
+    mlx-lm's greedy ones (the scored prefill's states are those after the
+    whole prompt, so the row does not go on from them cut short)."""
+    client, base, model, tokenizer, name, _ = hybrid
+    prompt = chat_tokens(tokenizer, "the lazy dog jumps over the quick brown fox")
+    status, reply = post(base + "/v1/completions", json.dumps({
+        "model": name, "prompt": [prompt], "echo": True, "logprobs": 1, "max_tokens": 8, "temperature": 0}).encode())
+    (choice,) = reply["choices"]
+    answer = greedy_reply(model, tokenizer, prompt, 8)
+    assert choice["text"] == tokenizer.decode(prompt) + continued(tokenizer, prompt, answer)
+    logits = model(mx.array([prompt]))[0, :-1].astype(mx.float32)
+    expected = np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))[np.arange(len(prompt) - 1), prompt[1:]]
+    served = np.array(choice["logprobs"]["token_logprobs"][1 : len(prompt)])
+    assert np.abs(served - expected).max() <= fp32_bound(expected, layers=6, reduction=320)
+
+
+# ---- a reply that reaches its stop token
+
+
+@pytest.fixture(scope="module")
+def stopping(tmp_path_factory):
+    """A tiny qwen3 pair served at verify width 4 whose draft knows the
+    target's greedy answer to ``OPENING`` (so rounds carry several tokens),
+    and whose end-of-turn token is that answer's token k, chosen where the
+    round that emits token k - 1 emits token k too (read from the library's
+    own rounds); the server's stop token is then reached inside a round,
+    one past a budget of k tokens. ``(base url, tokenizer, prompt, answer up to k)``."""
+    from dspark_fn.driver import Decoder
+    from helpers import target_config
+
+    root = tmp_path_factory.mktemp("stopping")
+    config = target_config("qwen3", vocab=320, hidden=64, layers=4, heads=4, kv_heads=2, head_dim=16)
+    model = build_target(root / "target", config, seed=3, vector_spread=0.4)
+    qwen_tokenizer(root / "target")
+    tokenizer = load_tokenizer(root / "target")
+    prompt = tokenizer.encode(OPENING)
+    answer = mlx_lm_greedy(model, prompt, 40)
+    memorising_draft(root / "draft", config, prompt + answer)
+    params = dspark_fn.catalog.load_named(str(root / "target"), str(root / "draft"), dtype=mx.float32)[0]
+    decoder = Decoder(params, 1, width=4)
+    ends = [len(decoder.insert([0], [prompt]).emitted[0])]
+    while ends[-1] < len(answer):
+        ends.append(ends[-1] + len(decoder.step().emitted[0]))
+    firsts = set(ends)  # the index of each round's first token
+    special = set(stop_tokens(tokenizer)) | set(tokenizer.encode("<|endoftext|><|im_start|>"))
+    k = next(k for k in range(3, len(answer)) if k not in firsts and answer[k] not in answer[:k] + prompt
+             and answer[k] < len(tokenizer._tokenizer) and answer[k] not in special)
+    settings = json.loads((root / "target" / "tokenizer_config.json").read_text())
+    settings["eos_token"] = tokenizer._tokenizer.convert_ids_to_tokens(answer[k])
+    (root / "target" / "tokenizer_config.json").write_text(json.dumps(settings))
+    tokenizer = load_tokenizer(root / "target")
+    assert stop_tokens(tokenizer) == [answer[k]]
+    with running_server(root, max_batch=2, verify=4) as (base, _, _):
+        yield base, tokenizer, prompt, answer[: k + 1]
+
+
+def test_log_probs_of_a_reply_ending_at_its_stop_token_list_its_text_only(stopping):
+    base, tokenizer, prompt, answer = stopping
+    status, reply = post(base + "/v1/completions", json.dumps({
+        "prompt": prompt, "max_tokens": 30, "temperature": 0, "logprobs": 0}).encode())
+    (choice,) = reply["choices"]
+    assert status == 200 and choice["finish_reason"] == "stop"
+    assert reply["usage"]["completion_tokens"] == len(answer)  # the stop token counted, not shown
+    assert choice["text"] == continued(tokenizer, prompt, answer)
+    assert len(choice["logprobs"]["tokens"]) == len(choice["logprobs"]["token_logprobs"]) == len(answer) - 1
+
+
+def test_a_stop_token_one_past_the_budget_ends_by_length(stopping):
+    """The round that emits the budget's last token carries the stop token
+    next: the reply ends by its length, and one token more ends by the stop."""
+    base, tokenizer, prompt, answer = stopping
+    for budget, finish in ((len(answer) - 1, "length"), (len(answer), "stop")):
+        status, reply = post(base + "/v1/completions", json.dumps({
+            "prompt": prompt, "max_tokens": budget, "temperature": 0}).encode())
+        assert (reply["choices"][0]["finish_reason"], reply["usage"]["completion_tokens"]) == (finish, budget)
+        assert reply["dspark"]["acceptance_rate"] > 0.5  # rounds of several tokens
+
+
+def test_echo_lists_a_generated_stop_token(stopping):
+    """lm-eval reads one entry past the prompt: when the next token is the
+    stop token, that entry is the stop token's."""
+    base, tokenizer, prompt, answer = stopping
+    context = prompt + answer[:-1]
+    status, reply = post(base + "/v1/completions", json.dumps({
+        "prompt": [context], "echo": True, "logprobs": 1, "max_tokens": 1, "temperature": 0}).encode())
+    (choice,) = reply["choices"]
+    assert choice["finish_reason"] == "stop" and len(choice["logprobs"]["token_logprobs"]) == len(context) + 1
+    assert choice["logprobs"]["tokens"][-1] == tokenizer.decode([answer[-1]])
+    assert choice["text"] == tokenizer.decode(context)
+
+
+# ---- overload: a bounded queue
+
+
+BURST = ["hello", "lazy dog jumps", "brown fox", "world world", "quick", "the dog"]
+
+
+def burst(base: str) -> tuple[list, list]:
+    """``BURST`` as concurrent chat requests, started together: each one's
+    ``(status, body, headers, seconds)``, and the queue lengths /health showed meanwhile."""
+    outcomes, barrier = [None] * len(BURST), threading.Barrier(len(BURST))
+
+    def ask(i):
+        body = {"model": MODEL, "messages": [{"role": "user", "content": BURST[i]}], "max_tokens": 24,
+                "temperature": 0}
+        request = urllib.request.Request(base + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                         headers={"content-type": "application/json"})
+        barrier.wait()
+        start = time.monotonic()
+        try:
+            with urllib.request.urlopen(request, timeout=120) as response:
+                outcomes[i] = (response.status, json.loads(response.read()), {}, time.monotonic() - start)
+        except urllib.error.HTTPError as error:
+            outcomes[i] = (error.code, json.loads(error.read()), dict(error.headers), time.monotonic() - start)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(BURST))]
+    for thread in threads:
+        thread.start()
+    waiting = []
+    while any(thread.is_alive() for thread in threads):
+        health = get_json(base + "/health")
+        assert health["status"] == "ok"
+        waiting.append(health["queue"]["waiting"])
+    for thread in threads:
+        thread.join()
+    return outcomes, waiting
+
+
+def test_a_burst_past_the_queue_is_refused_at_once_and_the_rest_answered(pair, library):
+    """Twice ``--max-queue`` requests at once on a server of one row, twice:
+    those past the queue get 429 with Retry-After within a second, the
+    others answer as the library does; /health counts the refusals, never
+    shows more waiting than the bound, and the resident memory after the
+    second burst is within 5 % of that after the first."""
+    max_queue, refusals, memory = len(BURST) // 2, 0, []
+    with running_server(pair, max_batch=1, extra=("--max-queue", str(max_queue))) as (base, _, _):
+        for _ in range(2):
+            outcomes, waiting = burst(base)
+            refused = [o for o in outcomes if o[0] == 429]
+            answered = [(i, o) for i, o in enumerate(outcomes) if o[0] == 200]
+            assert len(refused) + len(answered) == len(BURST) and len(refused) >= len(BURST) - max_queue - 1
+            assert len(answered) >= max_queue and max(waiting) <= max_queue
+            for status, body, headers, seconds in refused:
+                assert seconds < 1 and headers["retry-after"] == "1" and body["error"]["code"] == "queue_full"
+            for i, (_, body, _, _) in answered:
+                assert body["choices"][0]["message"]["content"] == reference_text(library, BURST[i], 24)
+            refusals += len(refused)
+            health = get_json(base + "/health")
+            assert health["queue"]["refused"] == refusals
+            assert health["queue"]["waiting"] == 0 and health["active"] == 0
+            memory.append(health["memory"]["resident_bytes"])
+    assert memory[1] <= memory[0] * 1.05

@@ -48,7 +48,7 @@ from dspark_fn.checkpoints import load_tokenizer
 from dspark_fn.serve.app import Server, create_app, serve
 from dspark_fn.serve.engine import Engine, Request
 from published import qwen3_pair
-from test_serve import detokenized, post, reference_tokens
+from test_serve import continued, post, reference_tokens
 
 uvicorn = pytest.importorskip("uvicorn")
 
@@ -155,7 +155,7 @@ def server(library):
 
 
 def greedy_text(library) -> str:
-    return detokenized(library[1], reference_tokens(library, PROMPT, NEW_TOKENS))
+    return continued(library[1], PROMPT, reference_tokens(library, PROMPT, NEW_TOKENS))
 
 
 def test_a_failed_round_fails_its_request_and_the_engine_starts_again(server, library, monkeypatch):
@@ -205,6 +205,39 @@ def test_a_failed_prefill_fails_its_request(server, library, monkeypatch):
     until(lambda: health(base)[0] == 200, "engine restart")
     status, body = completion(base)
     assert status == 200 and body["choices"][0]["text"] == greedy_text(library)
+
+
+def test_a_request_that_waits_past_the_bound_gets_a_timeout(library, monkeypatch):
+    """One row, slow rounds, a 1 s bound on waiting: the request behind the
+    running one ends with a 504 (``queue_timeout``, Retry-After) instead of
+    waiting on, a stream with that error event; the running one answers;
+    /health counts the timeouts."""
+    params, tokenizer = library
+    engine = Engine(params, max_batch=1, max_context=512, width=4, queue_timeout=1.0)
+    step = engine.decoder.step
+
+    def slow_round():
+        time.sleep(0.1)
+        return step()
+
+    monkeypatch.setattr(engine.decoder, "step", slow_round)
+    with served(engine, tokenizer) as base:
+        body = {"prompt": PROMPT, "max_tokens": 80, "temperature": 0}
+        first = threading.Thread(target=lambda: answers.append(post(base + "/v1/completions",
+                                                                    json.dumps(body).encode())))
+        answers = []
+        first.start()
+        until(lambda: health(base)[1]["active"] == 1, "the first request in its row")
+        started = time.monotonic()
+        status, reply = completion(base)
+        assert status == 504 and reply["error"]["code"] == "queue_timeout" and "retry later" in reply["error"]["message"]
+        assert 1.0 <= time.monotonic() - started < 30
+        status, events = completion(base, stream=True)
+        assert events[-1]["error"]["code"] == "queue_timeout"
+        first.join(WAIT)
+        assert answers[0][0] == 200 and answers[0][1]["usage"]["completion_tokens"] == 80
+        assert health(base)[1]["queue"]["timed_out"] == 2
+    engine.close()
 
 
 def test_an_engine_that_cannot_start_again_stops_the_server(library, monkeypatch):

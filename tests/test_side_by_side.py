@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 import dspark_fn
-from dspark_fn.benchmark import dspark_tokens, run_bench, run_side_by_side
+from dspark_fn import Sampling, benchmark
+from dspark_fn.benchmark import baseline_tokens, dspark_tokens, run_bench, run_side_by_side
 from dspark_fn.stats import Tally
 from helpers import (
     build_bigram_draft, build_draft, build_target, damp_attention, draft_config, random_prompt, target_config,
@@ -68,3 +69,21 @@ def test_no_candidates_is_an_error(setup):
     model, _, prompts = setup
     with pytest.raises(ValueError, match="at least one candidate"):
         run_side_by_side({}, model, prompts, NEW_TOKENS, [])
+
+
+def test_sampled_runs_sample_in_both_engines_and_compare_no_tokens(setup, monkeypatch):
+    """At a temperature the target alone samples too (else its rate would be
+    greedy decoding's), and there are no identical tokens to claim."""
+    model, candidates, prompts = setup
+    temperatures = []
+
+    def recorded(model, prompt, max_new_tokens, stop, temperature=0.0):
+        temperatures.append(temperature)
+        return baseline_tokens(model, prompt, max_new_tokens, stop, temperature)
+
+    monkeypatch.setattr(benchmark, "baseline_tokens", recorded)
+    results = run_side_by_side(candidates, model, prompts, NEW_TOKENS, [], repeats=1, sampling=Sampling(1.0))
+    assert all(result.identical is None for result in results.values())
+    assert temperatures and set(temperatures) == {1.0}
+    sampled = [baseline_tokens(model, prompt, NEW_TOKENS, set(), temperature=1.0) for prompt in prompts]
+    assert sampled != [baseline_tokens(model, prompt, NEW_TOKENS, set()) for prompt in prompts]

@@ -290,6 +290,15 @@ def test_loss_falls_and_held_out_tau_rises(setup):
     assert tau_after > tau_before + 1.5
 
 
+def test_the_loss_mix_is_the_one_asked_for(setup):
+    """``loss_weights`` reaches the compiled loss: one term alone is the loss."""
+    params = setup["params"]
+    for weights, term in (((1.0, 0.0, 0.0), "ce"), ((0.0, 0.0, 1.0), "confidence")):
+        config = trainer.TrainConfig(steps=1, checkpoint_every=1, anchors_per_sequence=4, loss_weights=weights)
+        (last,) = trainer.train(params.spec.draft_arch, params.spec.draft, params.draft, stream(setup), config)
+        assert last.loss == last.parts[term]
+
+
 def test_a_reduced_vocabulary_draft_trains_and_stays_lossless(setup, tmp_path):
     """A draft proposing from the answers' 48 most frequent tokens: it
     learns, its checkpoint keeps the vocabulary, and greedy output is the

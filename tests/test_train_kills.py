@@ -11,7 +11,11 @@ Breaks tried, and what caught them:
   shards and ends elsewhere (answering until the file, not the prompts'
   prefix, holds the token target is caught by test_train's prefix test);
 - ``atomic.write_with`` writing in place instead of beside: a torn file
-  under its final name after a kill.
+  under its final name after a kill;
+- the trainer checkpointing before it exports the draft: a kill at the last
+  export resumes at the last step, trains nothing and leaves the previous
+  export (only the test that kills at that write catches it: random kills
+  almost never draw it).
 """
 
 import json
@@ -111,3 +115,27 @@ def test_a_run_with_feature_workers_ends_as_one_without(tmp_path):
         assert mx.array_equal(weights_3[name], value), name
     for name, value in exported.items():
         assert mx.array_equal(exported_3[name], value), name
+
+
+def test_a_kill_at_the_last_export_resumes_to_the_same_export(tmp_path):
+    """The draft is exported before its checkpoint is written: a kill at the
+    straight run's last export resumes from the step before and exports the
+    same draft, never leaving the previous one."""
+    write_target(tmp_path / "target")
+    straight_log = tmp_path / "straight.log"
+    assert train(tmp_path / "target", tmp_path / "straight", straight_log) == 0
+    writes = straight_log.read_text().splitlines()
+    last_export = max(number for number, line in enumerate(writes, start=1)
+                      if line.split()[:2] == ["draft", "model.safetensors"])
+    killed_log = tmp_path / "killed.log"
+    assert train(tmp_path / "target", tmp_path / "killed", killed_log, last_export, "unrenamed") == -9
+    assert killed_log.read_text().splitlines()[-1] == "draft model.safetensors kill"
+    assert train(tmp_path / "target", tmp_path / "killed", killed_log) == 0
+    _, step, weights, exported = final_state(tmp_path / "straight")
+    _, resumed_step, resumed_weights, resumed_export = final_state(tmp_path / "killed")
+    assert resumed_step == step
+    for name, value in weights.items():
+        assert mx.array_equal(resumed_weights[name], value), name
+    assert exported.keys() == resumed_export.keys()
+    for name, value in exported.items():
+        assert mx.array_equal(resumed_export[name], value), name

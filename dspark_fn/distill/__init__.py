@@ -61,6 +61,7 @@ class DistillConfig:
     shard_rows: int = 64  # answers per feature shard (one shard is in memory at a time)
     feature_workers: int = 1  # processes of the features pass (each holds the target)
     held_out: int = 8  # the bundled file's last prompts, never trained on, score tau
+    held_out_file: str | None = None  # a .jsonl of prompts never trained on that score tau instead
     eval_new_tokens: int = 128
     save_dtype: str = "float16"
     dtype: str | None = "float32"  # the target's compute dtype while distilling (None: as stored)
@@ -105,6 +106,7 @@ def distill(target_source, out_dir, setup: DistillConfig, config: TrainConfig,
     stops = stop_tokens(tokenizer)
     bundled = read_jsonl_prompts(BUNDLED)
     held_texts = bundled[len(bundled) - setup.held_out :]
+    scored_texts = read_jsonl_prompts(setup.held_out_file) if setup.held_out_file else held_texts
 
     def draft_for(vocab_ids):
         draft_config = draft_config_for(
@@ -124,7 +126,7 @@ def distill(target_source, out_dir, setup: DistillConfig, config: TrainConfig,
         params = Params(PairSpec(adapter, target_spec, arch, spec), target_params, draft)
     else:
         _, _, spec, params = draft_for(None)
-    prompts = prompt_ids(setup, tokenizer, set(held_texts))
+    prompts = prompt_ids(setup, tokenizer, set(held_texts) | set(scored_texts))
     answered = prefix_answers(prompts, read_answers(out / ANSWERS_FILE), setup.answer_tokens)
     have = sum(len(a.answer) for a in answered)
     if have < setup.answer_tokens and len(answered) < len(prompts):
@@ -165,7 +167,7 @@ def distill(target_source, out_dir, setup: DistillConfig, config: TrainConfig,
         if setup.draft_vocab:
             vocab_ids = frequent_tokens([a.answer for a in answers], setup.draft_vocab, target_spec.vocab_size, stops)
         draft_config, arch, spec, params = draft_for(vocab_ids)
-    held_out = [chat_tokens(tokenizer, text) for text in held_texts]
+    held_out = [chat_tokens(tokenizer, text) for text in scored_texts]
 
     def evaluate(draft_params):
         return held_out_tau(params._replace(draft=draft_params), held_out, setup.eval_new_tokens, stops)

@@ -5,8 +5,10 @@ from typing import Sequence
 import numpy as np
 
 from ..checkpoints import SHARED_WITH_TARGET, draft_params_from_weights
+from ..drafts import FRESH_ARCH
 from ..drafts.fresh import random_draft_weights
 from ..drafts.heads import DRAFT_VOCAB_KEY
+from ..targets import resolve_target
 
 
 def spread_taps(num_target_layers: int, count: int) -> list:
@@ -25,30 +27,17 @@ def draft_config_for(
     mask_token_id: int | None = None,
     draft_vocab: int = 0,
 ) -> dict:
-    """A DeepSpec qwen3 draft config for ``target_config`` (a copy of the
-    target's geometry plus the DSpark keys)."""
-    depth = target_config["num_hidden_layers"]
-    heads = target_config["num_attention_heads"]
-    config = {key: target_config[key] for key in ("vocab_size", "hidden_size", "num_attention_heads")}
+    """A DeepSpec draft config for ``target_config``: the architecture fresh
+    drafts are built in (``FRESH_ARCH``), in the target's geometry as its
+    adapter reads it, plus the DSpark keys."""
+    geometry = resolve_target(target_config).draft_geometry(target_config)
+    depth = geometry["num_hidden_layers"]
+    config = FRESH_ARCH.fresh_config(geometry, layers)
     config.update(
-        intermediate_size=target_config.get("intermediate_size") or target_config["block_ff_dim"],  # LFM2's name
-        model_type="qwen3",
-        architectures=["Qwen3DSparkModel"],
-        num_key_value_heads=target_config.get("num_key_value_heads", heads),
-        head_dim=target_config.get("head_dim") or target_config["hidden_size"] // heads,
-        rms_norm_eps=target_config.get("rms_norm_eps", 1e-6),
-        rope_theta=target_config.get("rope_theta", 10000.0),
-        rope_scaling=target_config.get("rope_scaling"),
-        max_position_embeddings=target_config.get("max_position_embeddings", 4096),
-        hidden_act="silu",
-        attention_bias=False,
-        tie_word_embeddings=False,
-        num_hidden_layers=layers,
-        layer_types=["full_attention"] * layers,
         num_target_layers=depth,
         target_layer_ids=list(taps) if taps else spread_taps(depth, 3),
         block_size=block_size,
-        mask_token_id=target_config["vocab_size"] - 1 if mask_token_id is None else mask_token_id,
+        mask_token_id=geometry["vocab_size"] - 1 if mask_token_id is None else mask_token_id,
         markov_rank=markov_rank,
         markov_head_type="vanilla",
         enable_confidence_head=True,

@@ -17,7 +17,7 @@ from ..drafts.vocab import restrict_vocabulary
 from .corpus import Corpus
 
 LOSS_DECAY = 4.0  # DeepSpec ``loss_decay_gamma``: slot k weighs exp(-k / 4)
-CE_WEIGHT, L1_WEIGHT, CONFIDENCE_WEIGHT = 0.1, 0.9, 1.0
+LOSS_WEIGHTS = (0.1, 0.9, 1.0)  # DeepSpec's mix: CE, L1, confidence BCE
 
 
 class Batch(NamedTuple):
@@ -104,8 +104,10 @@ def corpus_vocabulary(corpus: Corpus, vocab_size: int) -> Vocabulary:
     return vocabulary_of(used, vocab_size)
 
 
-def dspark_loss(arch, spec, params: dict, batch: Batch, vocabulary: Vocabulary | None = None):
-    """``0.1 CE + 0.9 L1 + 1.0 BCE`` (spec §2.4). ``p_t`` is the target's
+def dspark_loss(arch, spec, params: dict, batch: Batch, vocabulary: Vocabulary | None = None,
+                weights: tuple = LOSS_WEIGHTS):
+    """``0.1 CE + 0.9 L1 + 1.0 BCE`` (spec §2.4; ``weights`` gives another
+    mix of the three, in that order). ``p_t`` is the target's
     top-K; the L1 distance counts the draft's mass outside it as error. The
     draft's softmax runs over ``vocabulary`` (its own reduced vocabulary, or
     a corpus vocabulary for a full-vocabulary draft): labels outside it get
@@ -121,7 +123,7 @@ def dspark_loss(arch, spec, params: dict, batch: Batch, vocabulary: Vocabulary |
         label_in, top_in = vocabulary.present[labels], vocabulary.present[top_ids]
         labels, top_ids = vocabulary.index[labels], vocabulary.index[top_ids]
     logits, confidence = training_forward(arch, spec, params, batch.features, batch.tokens, batch.anchors)
-    weights = slot_weights(batch, block)
+    positions = slot_weights(batch, block)
     top_probs = _block_tokens(batch.top_probs, batch.anchors, block, 0).astype(mx.float32)
     log_p = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     ce = -mx.take_along_axis(log_p, labels[..., None], axis=-1)[..., 0] * label_in
@@ -130,9 +132,9 @@ def dspark_loss(arch, spec, params: dict, batch: Batch, vocabulary: Vocabulary |
     l1 = mx.abs(p_draft_top - top_probs).sum(-1) + mx.abs(outside)
     soft_label = mx.stop_gradient(mx.clip(1.0 - 0.5 * l1, 0.0, 1.0))
     bce = mx.logaddexp(0.0, confidence) - confidence * soft_label
-    total = mx.maximum(weights.sum(), 1e-6)
-    parts = {name: (x * weights).sum() / total for name, x in (("ce", ce), ("l1", l1), ("confidence", bce))}
-    loss = CE_WEIGHT * parts["ce"] + L1_WEIGHT * parts["l1"] + CONFIDENCE_WEIGHT * parts["confidence"]
+    total = mx.maximum(positions.sum(), 1e-6)
+    parts = {name: (x * positions).sum() / total for name, x in (("ce", ce), ("l1", l1), ("confidence", bce))}
+    loss = sum(weight * part for weight, part in zip(weights, parts.values()))
     return loss, parts
 
 

@@ -35,7 +35,7 @@ from ..drafts.heads import DRAFT_VOCAB_KEY
 from ..driver import generate
 from ..types import Params
 from .corpus import Corpus
-from .objective import anchor_candidates, corpus_vocabulary, dspark_loss, sample_batch, vocabulary_of
+from .objective import LOSS_WEIGHTS, anchor_candidates, corpus_vocabulary, dspark_loss, sample_batch, vocabulary_of
 
 CHECKPOINTS = "checkpoints"
 WEIGHTS_FILE, OPTIMIZER_FILE, STATE_FILE = "weights.safetensors", "optimizer.safetensors", "state.json"
@@ -54,6 +54,7 @@ class TrainConfig:
     checkpoint_every: int = 100
     steps_per_shard: int = 25  # consecutive steps drawn from one shard before the next is read
     restrict_vocabulary: bool = True  # a full-vocabulary draft's softmax over each shard's tokens
+    loss_weights: tuple = LOSS_WEIGHTS  # CE, L1, confidence BCE
 
 
 def split_frozen(draft_params: dict) -> tuple[dict, dict]:
@@ -77,12 +78,12 @@ def make_optimizer(config: TrainConfig) -> optim.Optimizer:
 
 
 @lru_cache(maxsize=None)
-def loss_and_grad(arch, spec):
+def loss_and_grad(arch, spec, weights: tuple = LOSS_WEIGHTS):
     """Compiled ``(trainable, frozen, batch, vocabulary) -> ((loss, parts), grads)``, one
-    trace per draft shape; the optimizer update stays outside (it is cheap)."""
+    trace per draft shape and loss mix; the optimizer update stays outside (it is cheap)."""
 
     def loss_fn(trainable, frozen, batch, vocabulary):
-        return dspark_loss(arch, spec, trainable | frozen, batch, vocabulary)
+        return dspark_loss(arch, spec, trainable | frozen, batch, vocabulary, weights)
 
     return mx.compile(mx.value_and_grad(loss_fn))
 
@@ -197,7 +198,7 @@ def train(
     latest = latest_checkpoint(out_dir) if out_dir is not None else None
     if latest is not None:
         trainable, start = resume_state(latest, settings, optimizer, trainable)
-    gradients = loss_and_grad(arch, spec)
+    gradients = loss_and_grad(arch, spec, tuple(config.loss_weights))
     draft_vocabulary = (
         vocabulary_of(np.array(frozen[DRAFT_VOCAB_KEY]), spec.vocab_size) if DRAFT_VOCAB_KEY in frozen else None
     )
@@ -223,7 +224,7 @@ def train(
             on_step(finished)
         if finished % config.checkpoint_every == 0 or finished == config.steps:
             rate = done_since / (time.perf_counter() - tic)
-            if out_dir is not None:  # the draft first: a kill between the two redoes steps that export the same
+            if out_dir is not None:  # the draft first: a kill between the two redoes steps that export the same (test_train_kills)
                 save_draft(out_dir, draft_config, checkpoint_weights(arch, spec, trainable, frozen, save_dtype))
                 save_checkpoint(out_dir, settings, trainable, optimizer, finished)
             tau = evaluate(trainable | frozen) if evaluate else None

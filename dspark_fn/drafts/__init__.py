@@ -1,6 +1,7 @@
 """DSpark draft architectures, chosen by the checkpoint's ``model_type``.
 
-Adding a backbone is one module exposing ``ARCH`` and one line below.
+Adding a backbone is one module exposing ``ARCH`` (which names the model types
+it is registered under) and one entry below.
 Drafts that keep their DSpark settings in a ``dflash_config`` object run
 the qwen3 backbone whatever their ``model_type`` (``drafts/dflash.py``).
 """
@@ -9,14 +10,10 @@ from ..interfaces import DraftArch
 from ..registry import Registry
 from . import deepseek_v4, dflash, gemma4, qwen3
 
-ARCH_REGISTRY = Registry(
-    "draft",
-    {
-        "deepseek_v4": deepseek_v4.ARCH,
-        "gemma4_text": gemma4.ARCH,
-        "qwen3": qwen3.ARCH,
-    },
-)
+ARCH_REGISTRY = Registry("draft", [deepseek_v4.ARCH, gemma4.ARCH, qwen3.ARCH])
+
+# The backbone ``dspark train`` gives a fresh draft, whatever the target's family.
+FRESH_ARCH = qwen3.ARCH
 
 
 def register_arch(model_type: str, arch: DraftArch) -> None:

@@ -244,7 +244,7 @@ def complete_config(config: dict, keys) -> dict:
     return {**config, "n_mtp_layers": len(stages)} if stages else config
 
 
-ARCH = DraftArch(spec_from_config=spec_from_config, checkpoint_shapes=checkpoint_shapes, init_context=init_context,
-                 extend_context=extend_context, block_forward=block_forward, key_map=key_map,
+ARCH = DraftArch(model_types=("deepseek_v4",), spec_from_config=spec_from_config, checkpoint_shapes=checkpoint_shapes,
+                 init_context=init_context, extend_context=extend_context, block_forward=block_forward, key_map=key_map,
                  prepare_params=prepare_params, is_draft_key=is_draft_key,
                  complete_config=complete_config)

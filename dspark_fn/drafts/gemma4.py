@@ -107,5 +107,7 @@ def block_forward(spec: Gemma4DraftSpec, params: dict, state: list, length, bloc
     return ops.softcap(ops.linear(params["lm_head"], hidden), spec.softcap), hidden
 
 
-ARCH = DraftArch(spec_from_config=spec_from_config, checkpoint_shapes=checkpoint_shapes, init_context=init_context,
-                 extend_context=extend_context, block_forward=block_forward)
+# DeepSpec names its Gemma draft after the gemma4_unified release's text model.
+ARCH = DraftArch(model_types=("gemma4_text", "gemma4_unified_text"), spec_from_config=spec_from_config,
+                 checkpoint_shapes=checkpoint_shapes, init_context=init_context, extend_context=extend_context,
+                 block_forward=block_forward)

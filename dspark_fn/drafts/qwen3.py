@@ -173,5 +173,15 @@ def block_forward(spec: Qwen3DraftSpec, params: dict, state: list, length, block
     return ops.softcap(ops.linear(params["lm_head"], hidden), spec.softcap), hidden
 
 
-ARCH = DraftArch(spec_from_config=spec_from_config, checkpoint_shapes=checkpoint_shapes, init_context=init_context,
-                 extend_context=extend_context, block_forward=block_forward)
+def fresh_config(geometry: dict, layers: int) -> dict:
+    """A DeepSpec qwen3 draft config of ``layers`` full-attention layers in a
+    target's geometry (``TargetAdapter.draft_geometry``), DSpark keys aside."""
+    return dict(
+        geometry, model_type="qwen3", architectures=["Qwen3DSparkModel"], hidden_act="silu", attention_bias=False,
+        tie_word_embeddings=False, num_hidden_layers=layers, layer_types=["full_attention"] * layers,
+    )
+
+
+ARCH = DraftArch(model_types=("qwen3",), spec_from_config=spec_from_config, checkpoint_shapes=checkpoint_shapes,
+                 init_context=init_context, extend_context=extend_context, block_forward=block_forward,
+                 fresh_config=fresh_config)

@@ -1,8 +1,10 @@
-"""The OpenAI-compatible HTTP API (FastAPI): chat and text completions, the Responses API, models, health.
+"""The HTTP API (FastAPI): OpenAI's chat and text completions, Responses and
+models, Anthropic's Messages (``messages.py``), and health.
 
-Requests are validated here and turned into engine ``Request``s; errors are
-OpenAI-style bodies (``{"error": {"message", "type", "param", "code"}}``)
-with a 4xx status, and the server keeps serving. Streams are server-sent
+Requests, read by ``validation``, become engine ``Request``s; errors are
+bodies in the API's own shape (``errors.py``) with a 4xx status, unknown
+routes and methods included, and the server keeps serving. Keys and body
+sizes are checked at the door (``access.py``), before a route reads a body. Streams are server-sent
 events in OpenAI's chunk format ending with ``data: [DONE]``; a client that
 goes away cancels its request, which frees its row at the next round.
 Prompt text is never logged.
@@ -18,272 +20,218 @@ import json
 import secrets
 import time
 import uuid
-from dataclasses import dataclass
+from importlib import metadata
+from typing import NamedTuple
 
 import uvicorn
 from fastapi import FastAPI
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..chat import stop_tokens as tokenizer_stop_tokens
-from ..chat import template_tokens
-from ..driver import TOP_LOG_PROBS
-from ..sampling import Sampling
 from ..stats import combined
+from . import messages as anthropic
 from . import responses
-from .engine import Engine, EngineFailure, Request
+from .access import Door
+from .detokenizer import ContinuingText, text_after
+from .engine import Engine, EngineFailure, QueueFull, QueueTimeout, Request
 from .errors import ApiError, server_error
-from .tools import CallReader, Tools, openai_call, template_turns
+from .tools import CallReader, openai_call
+from .validation import Job, Reader
 
 
-@dataclass(frozen=True)
-class Job:
-    """A validated request: prompt ids, settings, and how to report it."""
-
-    kind: str  # "chat" or "text"
-    prompt: list
-    max_tokens: int
-    sampling: Sampling
-    seed: int | None
-    stop: tuple
-    n: int
-    stream: bool
-    include_usage: bool
-    top_log_probs: int | None = None  # log-probabilities asked: with this many most likely tokens each
-    tools: Tools = Tools(())  # the function tools offered, after tool_choice
+DEFAULT_MAX_BODY_BYTES = 16 << 20
 
 
-def number(body: dict, name: str, default, kind=float, low=None, high=None, low_open=False):
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
-        raise ApiError(f"'{name}' must be {'an integer' if kind is int else 'a number'}, got {value!r}", name)
-    value = kind(value)
-    if low is not None and (value <= low if low_open else value < low):
-        raise ApiError(f"'{name}' must be {'>' if low_open else '>='} {low}, got {value}", name)
-    if high is not None and value > high:
-        raise ApiError(f"'{name}' must be <= {high}, got {value}", name)
-    return value
+class Piece(NamedTuple):
+    """What a reply adds at once: its text, its end, its tokens' scores and tool calls."""
+
+    text: str
+    finish: str | None = None  # "stop", "length" or "tool_calls" on the last piece
+    scored: list = []  # (token, TokenScore or None, the token before it) per listed token, when asked
+    calls: list = []  # tool calls completed here (as their parser read them)
+    stop: str | None = None  # the stop string that ended the reply
 
 
-ROLES = ("system", "developer", "user", "assistant", "tool")
-
-
-def message_text(message) -> str:
-    if not isinstance(message, dict) or "role" not in message:
-        raise ApiError("each message needs a 'role' and a 'content'", "messages")
-    if message["role"] not in ROLES:
-        raise ApiError(f"unknown role {message['role']!r}: a message's role is one of {', '.join(ROLES)}", "messages")
-    content = message.get("content")
-    if isinstance(content, str):
-        return content
-    if content is None and (message.get("tool_calls") or message["role"] == "assistant"):
-        return ""
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-        return "".join(part.get("text", "") for part in content)
-    raise ApiError("only text content is supported (no images, audio or files)", "messages")
+def system_fingerprint(target: str, draft: str | None) -> str:
+    """Names what answers: the library's version, the target and the draft."""
+    try:
+        version = metadata.version("dspark-fn")
+    except metadata.PackageNotFoundError:
+        version = "unreleased"
+    return f"dspark_fn {version}; target {target}; draft {draft or 'unnamed'}"
 
 
 class Api:
     """Turns HTTP bodies into jobs for the engine and jobs' events into responses."""
 
-    def __init__(self, engine: Engine, tokenizer, model_name: str):
+    def __init__(self, engine: Engine, tokenizer, model_name: str, fingerprint: str | None = None):
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        self.fingerprint = fingerprint or system_fingerprint(model_name, None)
+        self.reader = Reader(engine, tokenizer, model_name)
         self.stop_ids = frozenset(tokenizer_stop_tokens(tokenizer))
         self.conversations = responses.Conversations()
-
-    # ---- validation
-
-    def job(self, body, kind: str) -> Job:
-        if not isinstance(body, dict):
-            raise ApiError("the request body must be a JSON object")
-        model = body.get("model")
-        if model is not None and model != self.model_name:
-            raise ApiError(f"model {model!r} is not served here; this server serves {self.model_name!r}",
-                           "model", status=404, code="model_not_found")
-        tools = Tools.from_body(body.get("tools"), body.get("tool_choice")) if kind == "chat" else Tools(())
-        prompt = self.chat_prompt(body, tools) if kind == "chat" else self.text_prompt(body)
-        room = self.engine.max_context - len(prompt) - self.engine.decoder.policy.max_width
-        if room < 1:
-            raise ApiError(f"the prompt has {len(prompt)} tokens; the context holds {self.engine.max_context}",
-                           "messages" if kind == "chat" else "prompt", code="context_length_exceeded")
-        limit_name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
-        max_tokens = number(body, limit_name, room, int, low=1)
-        if max_tokens > room:
-            raise ApiError(f"{limit_name} {max_tokens} + the prompt's {len(prompt)} tokens exceed the context of "
-                           f"{self.engine.max_context} tokens", limit_name, code="context_length_exceeded")
-        sampling = Sampling(
-            number(body, "temperature", 1.0, low=0, high=2),
-            number(body, "top_k", 0, int, low=0),
-            number(body, "top_p", 1.0, low=0, high=1, low_open=True),
-        )
-        form = body.get("response_format")
-        if form is not None and (not isinstance(form, dict) or form.get("type") != "text"):
-            kind_asked = form.get("type") if isinstance(form, dict) else form
-            raise ApiError(f"response_format {kind_asked!r} is not supported: this server constrains no output to a "
-                           f"grammar or schema; only {{'type': 'text'}} is", "response_format")
-        stop = body.get("stop") or ()
-        stop = (stop,) if isinstance(stop, str) else stop
-        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 4:
-            raise ApiError("'stop' must be a string or a list of up to 4 non-empty strings", "stop")
-        seed = body.get("seed")
-        if seed is not None:
-            seed = number(body, "seed", None, int)
-        options = body.get("stream_options") or {}
-        return Job(kind=kind, prompt=prompt, max_tokens=max_tokens, sampling=sampling, seed=seed, stop=tuple(stop),
-                   n=number(body, "n", 1, int, low=1, high=8), stream=bool(body.get("stream", False)),
-                   include_usage=bool(options.get("include_usage", False)),
-                   top_log_probs=self.top_log_probs(body, kind), tools=tools)
-
-    def top_log_probs(self, body: dict, kind: str) -> int | None:
-        """Chat: ``logprobs`` (true/false) and ``top_logprobs`` (0-20); completions: ``logprobs`` (0-20)."""
-        if kind == "text":
-            return number(body, "logprobs", None, int, low=0, high=TOP_LOG_PROBS)
-        asked = body.get("logprobs")
-        if asked is not None and not isinstance(asked, bool):
-            raise ApiError(f"'logprobs' must be true or false, got {asked!r}", "logprobs")
-        top = number(body, "top_logprobs", None, int, low=0, high=TOP_LOG_PROBS)
-        if top is not None and not asked:
-            raise ApiError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
-        return (top or 0) if asked else None
-
-    def chat_prompt(self, body: dict, tools: Tools) -> list:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise ApiError("'messages' must be a non-empty list", "messages")
-        turns, template_options = template_turns(messages, message_text, self.tokenizer, tools)
-        return template_tokens(self.tokenizer, turns, **template_options)
-
-    def text_prompt(self, body: dict) -> list:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1:
-            prompt = prompt[0]
-        if isinstance(prompt, str) and prompt:
-            return self.tokenizer.encode(prompt)
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-            vocab = self.engine.params.spec.target.vocab_size
-            if not all(0 <= t < vocab for t in prompt):
-                raise ApiError(f"prompt token ids must be in 0..{vocab - 1}", "prompt")
-            return prompt
-        raise ApiError("'prompt' must be a non-empty string or a list of token ids", "prompt")
 
     # ---- running
 
     def submit(self, job: Job) -> list[Request]:
-        seeds = [job.seed + i if job.seed is not None else secrets.randbits(31) for i in range(job.n)]
-        return [
-            self.engine.submit(Request(prompt=job.prompt, max_tokens=job.max_tokens, sampling=job.sampling, seed=seed,
-                                       stop_tokens=self.stop_ids, top_log_probs=job.top_log_probs))
-            for seed in seeds
-        ]
+        """``n`` requests per prompt, in choice order (prompt by prompt), all
+        queued or none (a full queue: those queued already are cancelled)."""
+        prompts = [prompt for prompt in job.prompts for _ in range(job.n)]
+        seeds = [job.seed + i if job.seed is not None else secrets.randbits(31) for i in range(len(prompts))]
+        requests = [Request(prompt=prompt, max_tokens=job.max_tokens, sampling=job.sampling, seed=seed,
+                            stop_tokens=self.stop_ids, top_log_probs=job.top_log_probs, score_prompt=job.scores_prompt)
+                    for prompt, seed in zip(prompts, seeds)]
+        try:
+            for request in requests:
+                self.engine.submit(request)
+        except QueueFull as full:
+            for request in requests:
+                request.cancel()
+            raise ApiError(str(full), status=429, code="queue_full", kind="rate_limit_exceeded",
+                           headers={"Retry-After": str(full.retry_after)}) from None
+        return requests
 
-    async def pieces(self, job: Job, request: Request):
-        """``(text, finish_reason or None, scores)`` as the request's tokens
-        arrive (``scores``: the log-probabilities of the tokens that arrived
-        since the last piece, stop tokens left out; [] when not asked);
-        stop strings end it (text cut before them), and a partial stop
-        string is held back until it is ruled out."""
-        detokenizer, sent, scored = self.tokenizer.detokenizer, 0, []
+    def echoed(self, job: Job, index: int) -> str | None:
+        """The prompt text choice ``index`` starts with (completions with echo)."""
+        return job.echo[index // job.n] if job.echo else None
+
+    def prompt_scored(self, prompt: list, scores: list) -> list:
+        """Echoed prompt tokens as scored entries: the first has no score."""
+        return [(token, score, prompt[i - 1 : i]) for i, (token, score) in enumerate(zip(prompt, [None, *scores]))]
+
+    async def pieces(self, job: Job, request: Request, echo: str | None = None):
+        """``Piece``s as the request's tokens arrive: its text (after ``echo``,
+        the prompt's text, when asked), its end, and the scores of the tokens
+        that arrived since the last piece ([] when not asked; a stop token is
+        listed only with echo, as it is not in the text). A stop string ends
+        it (the text cut before it); a partial one is held back until it is
+        ruled out. A completion's text continues its prompt's (a leading space
+        kept); a chat reply's is a text of its own."""
+        detokenizer = ContinuingText(self.tokenizer, request.prompt) if job.kind == "text" else self.tokenizer.detokenizer
+        sent, scored, before = 0, [], request.prompt[-1:]
         hold = max((len(s) for s in job.stop), default=1) - 1
+        if echo is not None and not request.score_prompt:
+            yield Piece(echo)
         while True:
             kind, value, scores = await asyncio.to_thread(request.events.get)
             if kind == "error":
                 raise EngineFailure(f"the decoding engine failed: {value}")
+            if kind == "timeout":
+                raise QueueTimeout(f"the request waited {value:g} s for a row without getting one; the server is "
+                                   f"busy: retry later")
+            if kind == "prompt":
+                yield Piece(echo, scored=self.prompt_scored(request.prompt, scores))
+                continue
             if kind == "done":
                 detokenizer.finalize()
-                yield detokenizer.text[sent:], {"cancelled": "stop"}.get(value, value), scored
+                yield Piece(detokenizer.text[sent:], {"cancelled": "stop"}.get(value, value), scored)
                 return
             for token, score in zip(value, scores or [None] * len(value)):
-                if token not in self.stop_ids:
+                hidden = token in self.stop_ids
+                if not hidden:
                     detokenizer.add_token(token)
-                    if score is not None:
-                        scored.append((token, score))
+                if score is not None and (not hidden or echo is not None):
+                    scored.append((token, score, before))
+                before = [token]
             text = detokenizer.text
-            cut = min((i for i in (text.find(s, max(0, sent - hold)) for s in job.stop) if i >= 0), default=None)
-            if cut is not None:
+            found = [(i, s) for s in job.stop if (i := text.find(s, max(0, sent - hold))) >= 0]
+            if found:
+                cut, stop = min(found)
                 request.cancel()
-                yield text[sent:cut], "stop", scored
+                yield Piece(text[sent:cut], "stop", scored, stop=stop)
                 return
             ready = max(sent, len(text) - hold)
             if ready > sent:
-                yield text[sent:ready], None, scored
+                yield Piece(text[sent:ready], None, scored)
                 sent, scored = ready, []
 
     def usage(self, job: Job, requests: list[Request]) -> dict:
         completion = sum(r.produced for r in requests)
-        rounds = [r.acceptance for r in requests]
-        emitted, count = sum(a.emitted for a in rounds), sum(a.rounds for a in rounds)
-        accepted, drafted = sum(a.accepted for a in rounds), sum(a.drafted for a in rounds)
+        prompt = sum(len(r.prompt) for r in requests)
+        acceptance = combined(r.acceptance for r in requests)
         return {
-            "prompt_tokens": len(job.prompt) * job.n,
+            "prompt_tokens": prompt,
             "completion_tokens": completion,
-            "total_tokens": len(job.prompt) * job.n + completion,
+            "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in requests)},
         }, {
-            "tau": emitted / count if count else 0.0,
-            "acceptance_rate": accepted / drafted if drafted else 0.0,
-            "rounds": count,
+            "tau": acceptance.tau,
+            "acceptance_rate": acceptance.acceptance_rate,
+            "rounds": acceptance.rounds,
             "prompt_cache_hit": any(r.cached_tokens for r in requests),
-            "sources": combined(rounds).sources(),
+            "sources": acceptance.sources(),
         }
 
     def envelope(self, job: Job, ident: str, created: int, chunk: bool) -> dict:
         kind = {("chat", False): "chat.completion", ("chat", True): "chat.completion.chunk"}
         return {"id": ident, "object": kind.get((job.kind, chunk), "text_completion"), "created": created,
-                "model": self.model_name}
+                "model": self.model_name, "system_fingerprint": self.fingerprint}
 
-    def choice(self, job: Job, index: int, text: str, finish: str | None, chunk: bool, scored: list,
-               calls: list = ()) -> dict:
-        log_probs = self.log_probs(job, scored) if job.top_log_probs is not None else None
+    def choice(self, job: Job, index: int, piece: Piece, chunk: bool, calls: list = (), offset: int = 0) -> dict:
+        """A choice (or a chunk's) of ``piece``; ``offset``: the choice's text before it."""
+        log_probs = self.log_probs(job, piece.scored, offset) if job.top_log_probs is not None else None
         if job.kind == "text":
-            return {"index": index, "text": text, "finish_reason": finish, "logprobs": log_probs}
-        body = {"role": "assistant", "content": text or (None if calls else text)}
+            return {"index": index, "text": piece.text, "finish_reason": piece.finish, "logprobs": log_probs}
+        body = {"role": "assistant", "content": piece.text or (None if calls else piece.text)}
         if calls:
             body["tool_calls"] = list(calls)
-        return {"index": index, ("delta" if chunk else "message"): body, "finish_reason": finish, "logprobs": log_probs}
+        return {"index": index, ("delta" if chunk else "message"): body, "finish_reason": piece.finish,
+                "logprobs": log_probs}
 
-    async def replies(self, job: Job, request: Request):
-        """``pieces`` with the tool calls read out: ``(content, finish, scores,
-        calls)``; a reply that made calls finishes with "tool_calls"."""
+    async def replies(self, job: Job, request: Request, echo: str | None = None):
+        """``pieces`` with the tool calls read out of the text; a reply that
+        made calls finishes with "tool_calls"."""
         reader = CallReader(self.tokenizer, job.tools)
-        async for piece, finish, scores in self.pieces(job, request):
-            content, calls = reader.feed(piece, final=finish is not None)
-            if finish == "stop" and reader.calls:
-                finish = "tool_calls"
-            yield content, finish, scores, calls
+        async for piece in self.pieces(job, request, echo):
+            content, calls = reader.feed(piece.text, final=piece.finish is not None)
+            finish = "tool_calls" if piece.finish == "stop" and reader.calls else piece.finish
+            yield piece._replace(text=content, finish=finish, calls=calls)
 
-    def token_text(self, token: int) -> str:
-        return self.tokenizer.decode([token])
+    async def whole(self, job: Job, request: Request, echo: str | None = None) -> Piece:
+        """The whole reply as one ``Piece`` (every call, every score)."""
+        text, scored, calls, last = "", [], [], Piece("")
+        async for last in self.replies(job, request, echo):
+            text, scored, calls = text + last.text, scored + last.scored, calls + last.calls
+        return last._replace(text=text, scored=scored, calls=calls)
 
-    def log_probs(self, job: Job, scored: list) -> dict:
-        """OpenAI's ``logprobs`` object for ``scored`` ``[(token, TokenScore)]``:
-        chat's ``content`` list, or the completions' parallel lists."""
+    def log_probs(self, job: Job, scored: list, offset: int = 0) -> dict:
+        """OpenAI's ``logprobs`` object for ``scored`` ``[(token, TokenScore or
+        None, the token before it)]``: chat's ``content`` list, or the
+        completions' parallel lists (``text_offset`` from ``offset``). Each
+        token's text, and its alternatives', is what it adds after the token
+        before it."""
         top = job.top_log_probs
+        texts = [[text_after(self.tokenizer, before, [token])] + [
+            text_after(self.tokenizer, before, [t]) for t, _ in (score.top[:top] if score else [])
+        ] for token, score, before in scored]
         if job.kind == "chat":
-            def entry(token: int, log_prob: float) -> dict:
-                text = self.token_text(token)
+            def entry(text: str, log_prob: float) -> dict:
                 return {"token": text, "logprob": log_prob, "bytes": list(text.encode())}
 
-            return {"content": [entry(token, score.log_prob) | {"top_logprobs": [entry(t, v) for t, v in score.top[:top]]}
-                                for token, score in scored]}
-        texts = [self.token_text(token) for token, _ in scored]
-        offsets = [sum(len(t) for t in texts[:i]) for i in range(len(texts))]
-        return {"tokens": texts, "token_logprobs": [score.log_prob for _, score in scored],
-                "top_logprobs": [{self.token_text(t): v for t, v in score.top[:top]} for _, score in scored],
-                "text_offset": offsets}
+            return {"content": [
+                entry(text, score.log_prob) | {"top_logprobs": [entry(t, v) for t, (_, v) in zip(alternatives, score.top)]}
+                for (_, score, _), (text, *alternatives) in zip(scored, texts)
+            ]}
+        starts = [offset + sum(len(t[0]) for t in texts[:i]) for i in range(len(texts))]
+        return {"tokens": [t[0] for t in texts],
+                "token_logprobs": [score.log_prob if score else None for _, score, _ in scored],
+                "top_logprobs": [{t: v for t, (_, v) in zip(alternatives, score.top)} if score else None
+                                 for (_, score, _), (_, *alternatives) in zip(scored, texts)],
+                "text_offset": starts}
+
+    def ident(self, job: Job) -> str:
+        return f"{'chatcmpl' if job.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
 
     async def complete(self, job: Job) -> dict:
         requests = self.submit(job)
-        created, ident = int(time.time()), f"{'chatcmpl' if job.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        created, ident = int(time.time()), self.ident(job)
         choices = []
         try:
             for index, request in enumerate(requests):
-                text, finish, scored, calls = "", None, [], []
-                async for piece, finish, scores, made in self.replies(job, request):
-                    text, scored, calls = text + piece, scored + scores, calls + made
-                choice = self.choice(job, index, text, finish, False, scored, [openai_call(c) for c in calls])
-                choices.append(choice)
+                reply = await self.whole(job, request, self.echoed(job, index))
+                choices.append(self.choice(job, index, reply, False, [openai_call(c) for c in reply.calls]))
         finally:  # a failed choice, or a client gone: the others free their rows too
             for request in requests:
                 request.cancel()
@@ -292,37 +240,38 @@ class Api:
 
     async def stream(self, job: Job):
         requests = self.submit(job)
-        created, ident = int(time.time()), f"{'chatcmpl' if job.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        created, ident = int(time.time()), self.ident(job)
         head = self.envelope(job, ident, created, True)
         merged: asyncio.Queue = asyncio.Queue()
 
         async def follow(index: int, request: Request):
-            made = 0  # calls streamed so far: each has its index
+            made = 0  # calls streamed so far in this reply: each has its index
             try:
-                async for piece, finish, scores, calls in self.replies(job, request):
-                    entries = [openai_call(call, made + i) for i, call in enumerate(calls)]
-                    made += len(calls)
-                    await merged.put((index, piece, finish, scores, entries))
+                async for piece in self.replies(job, request, self.echoed(job, index)):
+                    entries = [openai_call(call, made + i) for i, call in enumerate(piece.calls)]
+                    made += len(piece.calls)
+                    await merged.put((index, piece, entries))
             except Exception as error:  # reported in the stream, as an error chunk
-                await merged.put((index, error, "error", [], []))
+                await merged.put((index, error, None))
 
         tasks = [asyncio.create_task(follow(i, r)) for i, r in enumerate(requests)]
         try:
             if job.kind == "chat":
-                for index in range(job.n):
+                for index in range(len(requests)):
                     first = {"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
                     yield sse(head | {"choices": [first]})
-            finished = 0
-            while finished < job.n:
-                index, piece, finish, scores, calls = await merged.get()
-                if finish == "error":
+            finished, sent = 0, [0] * len(requests)
+            while finished < len(requests):
+                index, piece, calls = await merged.get()
+                if calls is None:
                     yield sse(server_error(piece).body)
                     return
-                finished += finish is not None
-                if not (piece or calls or scores or finish):
+                finished += piece.finish is not None
+                if not (piece.text or calls or piece.scored or piece.finish):
                     continue
-                choice = self.choice(job, index, piece, finish, True, scores, calls)
-                if job.kind == "chat" and finish is not None and not piece and not calls:
+                choice = self.choice(job, index, piece, True, calls, sent[index])
+                sent[index] += len(piece.text)
+                if job.kind == "chat" and piece.finish is not None and not piece.text and not calls:
                     choice["delta"] = {}
                 yield sse(head | {"choices": [choice]})
             usage, stats = self.usage(job, requests)
@@ -334,27 +283,20 @@ class Api:
                 request.cancel()  # a client that left frees its row at the next round
                 task.cancel()
 
-
     # ---- the Responses API
 
     def response_job(self, body) -> tuple[Job, list]:
         chat, messages = responses.chat_request(body, self.conversations)
-        return self.job(chat, "chat"), messages
-
-    async def reply(self, job: Job, request: Request):
-        """The whole reply's ``(text, calls)`` as chat ``tool_calls`` entries, for the Responses API."""
-        text, calls = "", []
-        async for piece, _, _, made in self.replies(job, request):
-            text, calls = text + piece, calls + [openai_call(call) for call in made]
-        return text, calls
+        return self.reader.job(chat, "chat"), messages
 
     async def respond(self, job: Job, body: dict, messages: list) -> dict:
         (request,) = self.submit(job)
         ident = f"resp_{uuid.uuid4().hex}"
         try:
-            text, calls = await self.reply(job, request)
+            reply = await self.whole(job, request)
         finally:
             request.cancel()
+        text, calls = reply.text, [openai_call(call) for call in reply.calls]
         usage, _ = self.usage(job, [request])
         self.conversations.keep(ident, messages + responses.reply_messages(text, calls))
         output = responses.output_items(f"msg_{uuid.uuid4().hex}", text, calls)
@@ -368,17 +310,17 @@ class Api:
         text, calls = "", []
         try:
             yield event("response.created", response=start)
-            async for piece, _, _, made in self.replies(job, request):
-                if piece and not text:
+            async for piece in self.replies(job, request):
+                if piece.text and not text:
                     yield event("response.output_item.added", output_index=0,
                                 item=responses.message_item(message_id, "", "in_progress"))
                     yield event("response.content_part.added", item_id=message_id, output_index=0, content_index=0,
                                 part={"type": "output_text", "text": "", "annotations": []})
-                if piece:
-                    text += piece
+                if piece.text:
+                    text += piece.text
                     yield event("response.output_text.delta", item_id=message_id, output_index=0, content_index=0,
-                                delta=piece)
-                calls += [openai_call(call) for call in made]
+                                delta=piece.text)
+                calls += [openai_call(call) for call in piece.calls]
             if text:
                 part = {"type": "output_text", "text": text, "annotations": []}
                 yield event("response.output_text.done", item_id=message_id, output_index=0, content_index=0,
@@ -415,39 +357,54 @@ async def json_body(http: HttpRequest):
         raise ApiError(f"the request body is not valid JSON: {error}") from None
 
 
-def error_response(error: Exception) -> JSONResponse:
-    """The OpenAI-style response of a request that failed; anything unforeseen propagates (a 500)."""
+def error_response(error: Exception, path: str) -> JSONResponse:
+    """The response of a request for ``path`` that failed, in its API's error
+    shape; anything unforeseen propagates (a 500)."""
     if isinstance(error, ApiError):
-        return error.response()
-    if isinstance(error, EngineFailure):
-        return server_error(error).response()
+        return error.response(path)
+    if isinstance(error, (EngineFailure, QueueTimeout)):
+        return server_error(error).response(path)
     if isinstance(error, ValueError):  # raised by the engine or sampling checks
-        return ApiError(str(error)).response()
+        return ApiError(str(error)).response(path)
     if isinstance(error, RuntimeError):
-        return ApiError(str(error), status=503, kind="server_error").response()
+        return ApiError(str(error), status=503, kind="server_error").response(path)
     raise error
 
 
-def create_app(engine: Engine, tokenizer, model_name: str) -> FastAPI:
-    api = Api(engine, tokenizer, model_name)
-    app = FastAPI(title="dspark serve", docs_url=None, redoc_url=None)
+def create_app(engine: Engine, tokenizer, model_name: str, *, fingerprint: str | None = None, api_keys: tuple = (),
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    api = Api(engine, tokenizer, model_name, fingerprint)
+    app = FastAPI(title="dspark serve", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(Door, keys=api_keys, max_body_bytes=max_body_bytes)
+    model = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "dspark"}
 
-    async def handle(http: HttpRequest, kind: str):
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(http: HttpRequest, error: StarletteHTTPException):
+        """Unknown routes (404) and methods (405) answered in the API's error shape."""
+        allowed = (error.headers or {}).get("allow")
+        message = (f"{http.method} is not allowed on {http.url.path}; it takes {allowed}" if error.status_code == 405
+                   else f"no route {http.method} {http.url.path} on this server" if error.status_code == 404
+                   else str(error.detail))
+        code = {404: "unknown_url", 405: "method_not_allowed"}.get(error.status_code)
+        return ApiError(message, status=error.status_code, code=code, headers=error.headers).response(http.url.path)
+
+    async def run(http: HttpRequest, job_of, whole, streamed):
+        """Read the body into a job, then answer it whole or as a stream."""
         try:
-            job = api.job(await json_body(http), kind)
+            job = job_of(await json_body(http))
             if job.stream:
-                return StreamingResponse(api.stream(job), media_type="text/event-stream")
-            return JSONResponse(await api.complete(job))
+                return StreamingResponse(streamed(job), media_type="text/event-stream")
+            return JSONResponse(await whole(job))
         except Exception as error:
-            return error_response(error)
+            return error_response(error, http.url.path)
 
     @app.post("/v1/chat/completions")
     async def chat(http: HttpRequest):
-        return await handle(http, "chat")
+        return await run(http, lambda body: api.reader.job(body, "chat"), api.complete, api.stream)
 
     @app.post("/v1/completions")
     async def completions(http: HttpRequest):
-        return await handle(http, "text")
+        return await run(http, lambda body: api.reader.job(body, "text"), api.complete, api.stream)
 
     @app.post("/v1/responses")
     async def create_response(http: HttpRequest):
@@ -458,11 +415,23 @@ def create_app(engine: Engine, tokenizer, model_name: str) -> FastAPI:
                 return StreamingResponse(api.respond_streaming(job, body, messages), media_type="text/event-stream")
             return JSONResponse(await api.respond(job, body, messages))
         except Exception as error:
-            return error_response(error)
+            return error_response(error, http.url.path)
+
+    @app.post("/v1/messages")
+    async def create_message(http: HttpRequest):
+        return await run(http, lambda body: api.reader.job(anthropic.chat_request(body), "chat"),
+                         lambda job: anthropic.answer(api, job), lambda job: anthropic.answer_streaming(api, job))
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "dspark"}]}
+        return {"object": "list", "data": [model]}
+
+    @app.get("/v1/models/{ident:path}")
+    async def one_model(ident: str, http: HttpRequest):
+        if ident != model_name:
+            return ApiError(f"model {ident!r} is not served here; this server serves {model_name!r}", "model",
+                            status=404, code="model_not_found").response(http.url.path)
+        return model
 
     @app.get("/health")
     async def health():
@@ -494,8 +463,9 @@ class Server(uvicorn.Server):
         return self.engine.dead or await super().on_tick(counter)
 
 
-def serve(engine: Engine, tokenizer, model_name: str, host: str, port: int) -> int:
-    """Serve until a signal (returns 0) or an engine that cannot start again (returns 1)."""
-    app = create_app(engine, tokenizer, model_name)
+def serve(engine: Engine, tokenizer, model_name: str, host: str, port: int, **options) -> int:
+    """Serve until a signal (returns 0) or an engine that cannot start again
+    (returns 1); ``options``: ``create_app``'s."""
+    app = create_app(engine, tokenizer, model_name, **options)
     Server(uvicorn.Config(app, host=host, port=port, log_level="warning"), engine).run()
     return 1 if engine.dead else 0

@@ -24,6 +24,17 @@ rank (``distributed.share``), and every rank applies the same inputs to the
 same state, so all take the same decisions and run the same kernels;
 ``follow`` is the loop of a rank without clients.
 
+A request that asked for its prompt's scores (``score_prompt``) is
+prefilled alone, every prompt position scored (``prefilling.score_prompt``),
+before it takes a row; one that needs nothing past that prefill (no new
+token, or only the one the prefill gives) never takes a row: such requests
+are answered between rounds, a bounded number a pass, while the batch goes on.
+
+The queue is bounded: past ``max_queue`` requests waiting (arrived, not yet
+in a row) ``submit`` refuses with ``QueueFull``, and a request that has
+waited ``queue_timeout`` seconds ends with an ``Update("timeout")``, never
+a hang (rank 0 decides which, and shares it as it shares cancellations).
+
 The thread is supervised: an exception inside it (in a round, a prefill)
 ends each request in the batch with an ``Update("error", message)``,
 ``failure`` names it until the engine runs again, and the engine starts
@@ -37,6 +48,7 @@ import json
 import os
 import queue
 import threading
+import time
 import traceback
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
@@ -45,19 +57,24 @@ from typing import NamedTuple
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map
 
-from ..buffers import capacity_for
+from ..buffers import capacity_for, init_cache
 from ..cache import Cache, is_recurrent, map_slots
-from ..driver import Decoder
+from ..driver import TOP_LOG_PROBS, Decoder, token_scores
+from ..prefilling import score_prompt
 from ..sampling import GREEDY, Sampling
 from ..stats import Tally
-from ..types import Params
+from ..types import Params, TokenLogProbs
+
+RETRY_AFTER = 1  # seconds a refused client is asked to wait before trying again
 
 
 class Update(NamedTuple):
-    """What a request hears from the engine: ``kind`` "tokens" (``value``: the
-    round's ids, ``scores``: a ``TokenScore`` per token when the request asked
-    for log-probabilities), "done" (``value``: "stop", "length" or
-    "cancelled") or "error" (``value``: the failure)."""
+    """What a request hears from the engine: ``kind`` "prompt" (``scores``: a
+    ``TokenScore`` per prompt token after the first, when it asked for them;
+    before any token), "tokens" (``value``: the round's ids, ``scores``: a
+    ``TokenScore`` per token when the request asked for log-probabilities),
+    "done" (``value``: "stop", "length" or "cancelled"), "timeout" (``value``:
+    the seconds it waited for a row) or "error" (``value``: the failure)."""
 
     kind: str
     value: object
@@ -76,13 +93,21 @@ class Request:
     seed: int = 0
     stop_tokens: frozenset = frozenset()
     top_log_probs: int | None = None  # score each token, with this many most likely alternatives
+    score_prompt: bool = False  # score the prompt's tokens too (an Update "prompt" before the first tokens)
     events: queue.Queue = field(default_factory=queue.Queue)
     acceptance: Tally = field(default_factory=Tally)
     cached_tokens: int = 0  # prompt tokens reused from the prompt cache
     produced: int = 0
     number: int = -1  # the engine's count of it, the same on every rank
     dropped: bool = False  # cancelled, as the engine has taken it in (at the same pass on every rank)
+    expired: bool = False  # waited past the queue's bound (decided by rank 0, at the same pass on every rank)
+    submitted: float = field(default_factory=time.monotonic)
     _cancelled: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def rowless(self) -> bool:
+        """Nothing to generate past the prefill: no new token, or the one a scored prompt's prefill gives."""
+        return self.max_tokens == 0 or (self.score_prompt and self.max_tokens == 1)
 
     def cancel(self) -> None:
         self._cancelled.set()
@@ -96,19 +121,34 @@ class Request:
         sampling = self.sampling
         return {"prompt": self.prompt, "max_tokens": self.max_tokens, "seed": self.seed,
                 "sampling": [sampling.temperature, sampling.top_k, sampling.top_p],
-                "stop_tokens": sorted(self.stop_tokens), "top_log_probs": self.top_log_probs}
+                "stop_tokens": sorted(self.stop_tokens), "top_log_probs": self.top_log_probs,
+                "score_prompt": self.score_prompt}
 
     @classmethod
     def from_settings(cls, settings: dict) -> "Request":
         temperature, top_k, top_p = settings["sampling"]
         return cls(prompt=settings["prompt"], max_tokens=settings["max_tokens"],
                    sampling=Sampling(temperature=temperature, top_k=top_k, top_p=top_p), seed=settings["seed"],
-                   stop_tokens=frozenset(settings["stop_tokens"]), top_log_probs=settings["top_log_probs"])
+                   stop_tokens=frozenset(settings["stop_tokens"]), top_log_probs=settings["top_log_probs"],
+                   score_prompt=settings["score_prompt"])
 
 
 class EngineFailure(RuntimeError):
     """The decoding engine failed while the request was in its batch: the
     request is lost, the server goes on."""
+
+
+class QueueFull(RuntimeError):
+    """Too many requests wait already: try again after ``retry_after`` seconds."""
+
+    def __init__(self, waiting: int, retry_after: int):
+        super().__init__(f"the server is at capacity ({waiting} requests waiting for a row); retry after "
+                         f"{retry_after} s")
+        self.retry_after = retry_after
+
+
+class QueueTimeout(RuntimeError):
+    """The request waited longer than the queue's bound for a row."""
 
 
 def resident_bytes() -> int:
@@ -213,8 +253,11 @@ class Engine:
     what is in flight and stops the thread."""
 
     def __init__(self, params: Params, max_batch: int = 8, max_context: int = 4096,
-                 prompt_cache_bytes: int = 1 << 30, group=None, **decoder_options):
+                 prompt_cache_bytes: int = 1 << 30, group=None, max_queue: int = 64, queue_timeout: float = 600.0,
+                 **decoder_options):
         self.params, self.max_context, self.max_batch = params, max_context, max_batch
+        self.max_queue, self.queue_timeout = max_queue, queue_timeout
+        self.refused = self.timed_out = 0  # requests refused with the queue full; ended for waiting too long
         self.group = group if group is not None and group.size() > 1 else None
         self.prompt_cache = PromptCache(prompt_cache_bytes)
         self.arrived: deque = deque()  # submitted, not yet taken in by the engine thread
@@ -255,6 +298,10 @@ class Engine:
             if self.stopping:
                 raise RuntimeError(f"the decoding engine stopped after a failure: {self.failure}" if self.dead
                                    else "the engine is shutting down")
+            if self.queued >= self.max_queue:
+                self.refused += 1
+                raise QueueFull(self.queued, RETRY_AFTER)
+            request.submitted = time.monotonic()
             self.arrived.append(request)
             self.wake.notify()
         return request
@@ -272,11 +319,18 @@ class Engine:
             self.wake.notify()
         self.thread.join()
 
+    @property
+    def queued(self) -> int:
+        """Requests waiting for a row (arrived or taken in)."""
+        return len(self.waiting) + len(self.arrived)
+
     def stats(self) -> dict:
         return {
             "active": len(self.rows),
             "batch": self.decoder.batch,
-            "waiting": len(self.waiting) + len(self.arrived),
+            "waiting": self.queued,
+            "queue": {"waiting": self.queued, "max": self.max_queue, "timeout_seconds": self.queue_timeout,
+                      "refused": self.refused, "timed_out": self.timed_out},
             "prompt_cache": {"entries": len(self.prompt_cache.entries), "bytes": self.prompt_cache.used,
                              "budget_bytes": self.prompt_cache.budget,
                              "hits": self.prompt_cache.hits, "misses": self.prompt_cache.misses},
@@ -344,8 +398,10 @@ class Engine:
                 while not self.stopping and not self.arrived and not self.waiting and not self.rows:
                     self.wake.wait()
                 known = list(self.waiting) + [request for request, _ in self.rows.values()]
+                now = time.monotonic()
                 inputs = {"arrived": [request.settings() | {"cancelled": request.cancelled} for request in self.arrived],
                           "cancelled": [r.number for r in known if r.cancelled and not r.dropped],
+                          "expired": [r.number for r in self.waiting if now - r.submitted > self.queue_timeout],
                           "stop": self.stopping}
                 arrived = list(self.arrived)
                 self.arrived.clear()
@@ -359,23 +415,28 @@ class Engine:
         return not self.stopping
 
     def _take_in(self, arrived: list, inputs: dict) -> None:
-        cancelled = set(inputs["cancelled"])
+        cancelled, expired = set(inputs["cancelled"]), set(inputs["expired"])
         for request, settings in zip(arrived, inputs["arrived"]):
             request.number, self.taken = self.taken, self.taken + 1
             request.dropped = settings["cancelled"]
             self.waiting.append(request)
         for request in list(self.waiting) + [request for request, _ in self.rows.values()]:
             request.dropped = request.dropped or request.number in cancelled
+        for request in [r for r in self.waiting if r.number in expired]:
+            self.waiting.remove(request)
+            self.timed_out += 1
+            request.events.put(Update("timeout", self.queue_timeout))
         self.stopping = self.stopping or inputs["stop"]
 
     def _fit_batch(self) -> None:
         """Grow the batch for waiting requests, shrink it when rows have left."""
-        wanted = running_batch(len(self.rows) + len(self.waiting), self.max_batch)
+        wanted = running_batch(len(self.rows) + sum(not r.rowless for r in self.waiting), self.max_batch)
         if wanted != self.decoder.batch:
             moved = self.decoder.resize(wanted)
             self.rows = {moved[row]: entry for row, entry in self.rows.items()}
 
     def _admit(self) -> None:
+        self._answer_rowless()
         free = [row for row in range(self.decoder.batch) if row not in self.rows]
         while free and self.waiting:
             request = self.waiting.popleft()
@@ -386,13 +447,56 @@ class Engine:
             if not self.rows:  # alone in the batch: start from a fresh policy, so runs repeat
                 self.decoder.reset_policy()
             self.rows[row] = (request, list(request.prompt))  # in the batch from here: a failure ends it too
-            prefix = self.prompt_cache.lookup(request.prompt)
-            request.cached_tokens = int(prefix.length.item()) if prefix is not None else 0
+            if request.score_prompt:  # its prompt scored at every position: nothing of it comes from the cache
+                scored = self._score(request)[0]  # the row goes on from it, all but the last token (prefilled
+                # again for the first new one): a recurrent state holds only after every token, so not there
+                prefix = None if scored.recurrent else scored._replace(
+                    length=mx.array([len(request.prompt) - 1], mx.int32))
+            else:
+                prefix = self.prompt_cache.lookup(request.prompt)
+                request.cached_tokens = int(prefix.length.item()) if prefix is not None else 0
             self._deliver(self.decoder.insert(
                 [row], [request.prompt], sampling=request.sampling, seeds=[request.seed], prefix=prefix,
                 top_log_probs=request.top_log_probs, max_new_tokens=request.max_tokens,
                 stop_tokens=request.stop_tokens,
             ))
+
+    def _answer_rowless(self) -> None:
+        """Answer waiting requests that need no row (``Request.rowless``), at
+        most ``max_batch`` a pass so that rounds go on between them: a scored
+        prompt's scores, the token its prefill gives, its cache kept."""
+        for request in [r for r in self.waiting if r.rowless][: self.max_batch]:
+            self.waiting.remove(request)
+            if request.dropped:
+                request.events.put(Update("done", "cancelled"))
+                continue
+            try:
+                if not request.score_prompt:  # nothing to compute: the prompt (echoed) is the answer
+                    request.events.put(Update("done", "length"))
+                    continue
+                cache, first, score = self._score(request)
+                self.prompt_cache.store(request.prompt, cache)
+                if request.max_tokens:
+                    request.produced = 1
+                    request.events.put(Update("tokens", [first], [score]))
+                request.events.put(Update("done", "stop" if request.max_tokens and first in request.stop_tokens
+                                          else "length"))
+            except Exception as error:  # not in the batch: its failure is told here, then the engine's
+                request.events.put(Update("error", f"{type(error).__name__}: {error}"))
+                raise
+
+    def _score(self, request: Request) -> tuple:
+        """Prefill ``request``'s prompt alone in a cache of its own, scoring
+        every position; tell the request its prompt's scores. Returns
+        ``(cache, the first token, its TokenScore)``."""
+        cache = init_cache(self.params, 1, capacity_for(1), seed=request.seed)
+        cache, first, first_scored, prompt_scored = score_prompt(
+            self.params, cache, [request.prompt], top=TOP_LOG_PROBS, sampling=request.sampling, grow=True)
+        top = [request.top_log_probs]
+        (prompt_scores,) = token_scores(prompt_scored, [0], [len(request.prompt) - 1], top)
+        ((first_score,),) = token_scores(TokenLogProbs(*(a[:, None] for a in first_scored)), [0], [1], top)
+        request.events.put(Update("prompt", None, prompt_scores))
+        return cache, int(first[0]), first_score
 
     def _round(self) -> None:
         before = (self.decoder.committed.copy(), recurrent_states(self.decoder.cache))

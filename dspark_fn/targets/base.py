@@ -1,5 +1,5 @@
 """The pieces every target family's forward is built from: the decoder layer
-loop (and its pipeline split), the tapped features, the output head."""
+loop (and its pipeline split), the tapped features, the spec's common fields."""
 
 from typing import Callable
 
@@ -70,11 +70,6 @@ def _from_owner(h, mine: bool):
 def concat_taps(tapped: dict, taps: tuple):
     """``[B, L, F]``: the tapped layers' outputs in ``taps`` order (None without taps)."""
     return mx.concatenate([tapped[i] for i in taps], axis=-1) if taps else None
-
-
-def output_head(params: dict, tied: bool) -> dict:
-    """The module the target's logits come from: its embedding when tied."""
-    return params["model"]["embed_tokens"] if tied else params["lm_head"]
 
 
 def stopping_at_prompt_end(forward: Callable) -> Callable:

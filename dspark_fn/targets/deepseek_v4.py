@@ -43,7 +43,7 @@ from ..layers.deepseek_v4 import (
     query_residual,
     rope_inv_freq,
 )
-from .base import decoder_layers, model_fields, output_head
+from .base import decoder_layers, model_fields
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,6 @@ class DeepseekV4Spec:
     index_heads: int
     index_head_dim: int
     index_topk: int
-    last_layer_tappable: bool = True
 
 
 def spec_from_config(config: dict) -> DeepseekV4Spec:
@@ -211,12 +210,7 @@ def prompt_forward(spec: DeepseekV4Spec, params: dict, kv: list, tokens, start, 
     return forward(spec, params, kv, tokens, start, taps, pooling.prompt_overlap_start(first, end))
 
 
-def logits(spec: DeepseekV4Spec, params: dict, hidden: mx.array) -> mx.array:
-    """Output logits ``[..., V]`` of final-normed ``hidden``."""
-    return ops.linear(output_head(params, spec.tied), hidden)
-
-
 ADAPTER = TargetAdapter(
-    spec_from_config=spec_from_config, init_kv=init_kv, forward=forward, logits=logits, load_params=load_params,
-    prompt_forward=prompt_forward,
+    model_types=("deepseek_v4",), spec_from_config=spec_from_config, init_kv=init_kv, forward=forward,
+    load_params=load_params, prompt_forward=prompt_forward, last_layer_tappable=True,
 )

@@ -7,7 +7,9 @@ projection (``attention_k_eq_v``) and rotate only part of each head
 attends with scale 1, wraps attention and MLP in sandwich norms and ends with
 a learned ``layer_scalar``; embeddings are scaled by sqrt(d) and logits are
 softcapped. The small models' per-layer token inputs and their KV sharing
-between late layers are supported; MoE blocks are not.
+between late layers are supported (a pipeline split keeps a sharing layer on
+its source's rank); MoE blocks are not. The multimodal releases (``gemma4``,
+``gemma4_unified``) run their text model.
 
 Its layer math lives in ``layers/gemma4.py``, shared with the gemma4 DSpark draft.
 """
@@ -18,7 +20,7 @@ import mlx.core as mx
 
 from .. import ops
 from ..cache import causal_mask, kv_buffers, positions_from, write_rows
-from ..interfaces import TargetAdapter
+from ..interfaces import Layout, Release, TargetAdapter
 from ..layers.gemma4 import (
     ATTENTION_SCALE,
     AttentionGeometry,
@@ -30,7 +32,10 @@ from ..layers.gemma4 import (
     scaled_embedding,
 )
 from ..sharding import Ranks, input_columns, output_rows, vocabulary_rows
-from .base import decoder_layers, model_fields, output_head
+from .base import decoder_layers, model_fields
+
+
+LAYOUT = Layout()  # mlx-lm's gemma4_text tree
 
 
 @dataclass(frozen=True)
@@ -136,7 +141,12 @@ def forward(spec: Gemma4Spec, params: dict, kv: list, tokens, start, taps: tuple
 
 def logits(spec: Gemma4Spec, params: dict, hidden: mx.array) -> mx.array:
     """Softcapped output logits ``[..., V]`` of final-normed ``hidden``."""
-    return ops.softcap(ops.linear(output_head(params, spec.tied), hidden), spec.softcap)
+    return ops.softcap(LAYOUT.logits(spec, params, hidden), spec.softcap)
+
+
+def pipeline_links(spec: Gemma4Spec) -> tuple:
+    """The KV-shared layers and the layers whose keys and values they read."""
+    return tuple((index, source) for index, source in enumerate(spec.kv_source) if source != index)
 
 
 def shard_tensor(spec: Gemma4Spec, params: dict, ranks: Ranks) -> tuple[Gemma4Spec, dict]:
@@ -176,5 +186,14 @@ def tensor_splits(config: dict) -> dict:
                for g in spec.geometry}}
 
 
-ADAPTER = TargetAdapter(spec_from_config=spec_from_config, init_kv=init_kv, forward=forward, logits=logits,
-                        shard_tensor=shard_tensor, tensor_splits=tensor_splits)
+# The multimodal releases' vision and audio towers (mlx-lm's and mlx-vlm's names).
+TOWERS = ("vision_tower", "multi_modal_projector", "audio_tower", "embed_audio", "embed_vision", "vision_embedder")
+
+ADAPTER = TargetAdapter(
+    model_types=("gemma4_text",),
+    releases=(Release("gemma4", "gemma4_text", towers=TOWERS),
+              Release("gemma4_unified", "gemma4_text", text_config_type="gemma4_unified_text", towers=TOWERS)),
+    spec_from_config=spec_from_config, init_kv=init_kv, forward=forward,
+    layout=LAYOUT, logits=logits,
+    shard_tensor=shard_tensor, tensor_splits=tensor_splits, pipeline_links=pipeline_links,
+)

@@ -5,7 +5,8 @@ causal depthwise conv over the last ``conv_L_cache`` gated inputs), a few
 (``full_attn_idxs``, or the ``full_attention`` entries of ``layer_types``)
 with attention whose q and k heads are RMS-normed. Every layer is pre-norm
 (``operator_norm``, ``ffn_norm``); the final norm is ``embedding_norm`` and
-the logits always come from the embedding. lfm2_moe replaces the dense
+the logits always come from the embedding (mlx-lm's tree has no head).
+LFM2-VL releases (``lfm2-vl``) run their text model. lfm2_moe replaces the dense
 feed-forward of layers ``num_dense_layers ..`` with sigmoid-routed experts.
 
 A convolution layer's cache entry is ``{"conv": [B, K - 1, d]}``, the last
@@ -19,9 +20,9 @@ import mlx.core as mx
 
 from .. import ops
 from ..cache import causal_mask, kv_buffers, positions_from
-from ..interfaces import TargetAdapter
+from ..interfaces import Release, TargetAdapter, fresh_draft_geometry
 from ..layers.lfm2 import AttentionGeometry, Routing, attention, dense_feed_forward, short_conv, sparse_moe
-from .base import decoder_layers, output_head, stopping_at_prompt_end
+from .base import decoder_layers, stopping_at_prompt_end
 
 LAYER_TYPES = ("full_attention", "conv")
 REQUIRED_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "norm_eps", "conv_L_cache")
@@ -180,12 +181,15 @@ def forward(spec: Lfm2Spec, params: dict, kv: list, tokens, start, taps: tuple, 
     return ops.rms_norm(h, model["embedding_norm"]["weight"], spec.eps), features, new_kv
 
 
-def logits(spec: Lfm2Spec, params: dict, hidden: mx.array) -> mx.array:
-    """Output logits ``[..., V]`` of final-normed ``hidden`` (LFM2 always ties them to the embedding)."""
-    return ops.linear(output_head(params, tied=True), hidden)
+def draft_geometry(config: dict) -> dict:
+    """What a fresh draft copies: lfm2 names its dense feed-forward width ``block_ff_dim``."""
+    width = config.get("intermediate_size") or config["block_ff_dim"]
+    return fresh_draft_geometry({**config, "intermediate_size": width})
 
 
 ADAPTER = TargetAdapter(
-    spec_from_config=spec_from_config, init_kv=init_kv, forward=forward, logits=logits,
-    prompt_forward=stopping_at_prompt_end(forward),
+    model_types=("lfm2", "lfm2_moe"),
+    releases=(Release("lfm2-vl", "lfm2"),),
+    spec_from_config=spec_from_config, init_kv=init_kv, forward=forward,
+    prompt_forward=stopping_at_prompt_end(forward), draft_geometry=draft_geometry,
 )

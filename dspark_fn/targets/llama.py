@@ -13,7 +13,7 @@ from ..cache import causal_mask, kv_buffers, positions_from, write_rows
 from ..interfaces import TargetAdapter
 from ..layers.llama import AttentionFields, attention_fields
 from ..sharding import Ranks, input_columns, output_rows, vocabulary_rows
-from .base import decoder_layers, output_head
+from .base import decoder_layers
 
 
 @dataclass(frozen=True)
@@ -80,11 +80,6 @@ def forward(spec: LlamaSpec, params: dict, kv: list, tokens, start, taps: tuple)
     return ops.rms_norm(h, model["norm"]["weight"], spec.eps), features, new_kv
 
 
-def logits(spec: LlamaSpec, params: dict, hidden: mx.array) -> mx.array:
-    """Output logits ``[..., V]`` of final-normed ``hidden``."""
-    return ops.linear(output_head(params, spec.tied), hidden)
-
-
 def shard_tensor(spec: LlamaSpec, params: dict, ranks: Ranks) -> tuple[LlamaSpec, dict]:
     """This rank's share (``sharding.py``): whole query and key/value heads,
     its MLP columns, its stretch of the vocabulary."""
@@ -121,5 +116,5 @@ def tensor_splits(config: dict) -> dict:
             "MLP columns": config["intermediate_size"], "vocabulary rows": config["vocab_size"]}
 
 
-ADAPTER = TargetAdapter(spec_from_config=spec_from_config, init_kv=init_kv, forward=forward, logits=logits,
-                        shard_tensor=shard_tensor, tensor_splits=tensor_splits)
+ADAPTER = TargetAdapter(model_types=("llama", "mistral", "qwen2", "qwen3"), spec_from_config=spec_from_config,
+                        init_kv=init_kv, forward=forward, shard_tensor=shard_tensor, tensor_splits=tensor_splits)

@@ -19,7 +19,7 @@ import mlx.nn as nn
 
 from .. import ops
 from ..cache import causal_mask, kv_buffers, positions_from, write_rows
-from ..interfaces import TargetAdapter
+from ..interfaces import Layout, TargetAdapter
 from ..layers import mamba2
 from ..layers.moe import expert_matmul
 from .base import decoder_layers, stopping_at_prompt_end
@@ -208,15 +208,11 @@ def forward(spec: NemotronHSpec, params: dict, kv: list, tokens, start, taps: tu
     return ops.rms_norm(h, backbone["norm_f"]["weight"], spec.eps), features, new_kv
 
 
-def logits(spec: NemotronHSpec, params: dict, hidden: mx.array) -> mx.array:
-    """Output logits ``[..., V]`` of final-normed ``hidden`` (Nemotron-H never ties its head)."""
-    return ops.linear(params["lm_head"], hidden)
-
-
 ADAPTER = TargetAdapter(
+    model_types=("nemotron_h",),
+    layout=Layout(root="backbone", embedding="embeddings"),  # and an untied lm_head
     spec_from_config=spec_from_config,
     init_kv=init_kv,
     forward=forward,
-    logits=logits,
     prompt_forward=stopping_at_prompt_end(forward),
 )

@@ -25,7 +25,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from .. import ops
 from ..cache import causal_mask, kv_buffers, positions_from
-from ..interfaces import TargetAdapter
+from ..interfaces import Release, TargetAdapter
 from ..layers.gated_delta import (
     AttentionGeometry,
     DeltaGeometry,
@@ -34,7 +34,7 @@ from ..layers.gated_delta import (
     gated_delta_net,
 )
 from ..layers.moe import routed_experts
-from .base import decoder_layers, model_fields, output_head, stopping_at_prompt_end
+from .base import decoder_layers, model_fields, stopping_at_prompt_end
 
 # RoPE kinds of the attention layers' rotary part; a text-only mrope (every
 # section at the same position) is plain RoPE, as mlx-lm runs it.
@@ -221,12 +221,13 @@ def forward(spec: Qwen3_5Spec, params: dict, kv: list, tokens, start, taps: tupl
     return ops.rms_norm(h, model["norm"]["weight"], spec.eps), features, new_kv
 
 
-def logits(spec: Qwen3_5Spec, params: dict, hidden: mx.array) -> mx.array:
-    """Output logits ``[..., V]`` of final-normed ``hidden``."""
-    return ops.linear(output_head(params, spec.tied), hidden)
-
+# The vision tower of the VL releases: ``visual`` as published, ``vision_tower`` as mlx-vlm names it.
+TOWERS = ("vision_tower", "visual")
 
 ADAPTER = TargetAdapter(
-    spec_from_config=spec_from_config, init_kv=init_kv, forward=forward, logits=logits, load_params=load_params,
+    model_types=("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"),
+    releases=(Release("qwen3_5", "qwen3_5_text", towers=TOWERS),
+              Release("qwen3_5_moe", "qwen3_5_moe_text", towers=TOWERS)),
+    spec_from_config=spec_from_config, init_kv=init_kv, forward=forward, load_params=load_params,
     prompt_forward=stopping_at_prompt_end(forward),
 )

@@ -1,0 +1,107 @@
+"""The server's door: API keys and request sizes, checked before any route reads a body.
+
+Every route but ``/health`` asks for a key when the server has keys:
+``Authorization: Bearer KEY`` (OpenAI clients) or ``x-api-key: KEY``
+(Anthropic clients), compared in constant time (the digests of the key
+given and of each key held, every key compared). A body larger than the
+bound is refused with a 413 before it is parsed: at once when its
+``Content-Length`` says so, else as soon as the bytes read pass the bound.
+Errors have the shape of the API the path belongs to.
+"""
+
+import hashlib
+import hmac
+import ipaddress
+import os
+from pathlib import Path
+
+from .errors import ApiError
+
+OPEN_PATHS = ("/health",)
+KEY_VARIABLE = "DSPARK_API_KEY"
+
+
+def read_keys(keys: list, key_file: str | None) -> tuple:
+    """The keys given (``--api-key``, repeatable), those of ``key_file`` (one a
+    line; blank lines and lines starting with # skipped) and of the
+    ``DSPARK_API_KEY`` environment variable."""
+    found = list(keys or [])
+    if key_file:
+        lines = Path(key_file).read_text().splitlines()
+        found += [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
+    if os.environ.get(KEY_VARIABLE):
+        found.append(os.environ[KEY_VARIABLE])
+    return tuple(found)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is reachable from this machine only (a name other than localhost counts as not)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()
+
+
+def key_matches(given: str, keys: tuple) -> bool:
+    """Constant time whatever ``given`` is: every held key is compared."""
+    matched = False
+    for key in keys:
+        matched |= hmac.compare_digest(_digest(given), _digest(key))
+    return matched
+
+
+def given_key(headers: dict) -> str:
+    """The key a request carries (``headers``: lower-case names, as ASGI gives them)."""
+    authorization = headers.get(b"authorization", b"").decode("latin-1")
+    if authorization[:7].lower() == "bearer ":
+        return authorization[7:].strip()
+    return headers.get(b"x-api-key", b"").decode("latin-1").strip()
+
+
+class Door:
+    """ASGI middleware: keys and body sizes before the app sees a request."""
+
+    def __init__(self, app, keys: tuple = (), max_body_bytes: int = 16 << 20):
+        self.app, self.keys, self.max_body_bytes = app, tuple(keys), max_body_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path, headers = scope["path"], dict(scope["headers"])
+        if self.keys and path not in OPEN_PATHS and not key_matches(given_key(headers), self.keys):
+            error = ApiError("a valid API key is needed: send it as 'Authorization: Bearer KEY' or 'x-api-key: KEY'",
+                             status=401, code="invalid_api_key")
+            return await error.response(path)(scope, receive, send)
+        declared = headers.get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            return await self.too_large(path)(scope, receive, send)
+        body, more = bytearray(), True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left before sending the whole body
+                return
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > self.max_body_bytes:
+                return await self.too_large(path)(scope, receive, send)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if replayed:  # later reads wait for the client to leave, as the server's own receive does
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": bytes(body), "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    def too_large(self, path: str):
+        megabytes = self.max_body_bytes / (1 << 20)
+        return ApiError(f"the request body is larger than this server takes ({megabytes:g} MiB); raise "
+                        f"--max-body-mb or send less", status=413, code="request_too_large").response(path)
