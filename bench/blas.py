@@ -2,7 +2,7 @@
 pip's (cmeel-openblas through its patched copy, ``DSPARK_OPENBLAS=pip``) and
 MLX's bundled reference BLAS (``DSPARK_NO_OPENBLAS=1``).
 
-    python bench/blas.py            # ROUNDS=5 by default
+    python bench/blas.py            # ROUNDS=5 CALLS=10 by default
 
 The BLAS is chosen once per process, so each is timed in processes of its
 own, taking turns round after round. A process times, on the embedded
@@ -22,7 +22,7 @@ import time
 
 SETTINGS = {"system": {}, "pip": {"DSPARK_OPENBLAS": "pip"}, "bundled": {"DSPARK_NO_OPENBLAS": "1"}}
 ROUNDS = int(os.environ.get("ROUNDS", 5))
-CALLS = 10
+CALLS = int(os.environ.get("CALLS", 10))  # timed calls of each measurement in a process; the fastest counts
 
 
 def fastest_ms(run) -> float:
