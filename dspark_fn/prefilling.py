@@ -35,7 +35,7 @@ def smallest_chunk() -> int:
     Accelerate, GPUs), so a few padded tokens cost less than more forwards;
     ``LINEAR_PREFILL_CHUNK`` on the CPU over MLX's bundled reference BLAS,
     where every padded token costs what a real one does (a 69-token prompt
-    padded to 128 took 1.6x mlx-lm's prefill there; in 8-token chunks, 1.0x)."""
+    padded to 128 took 1.6x mlx-lm's prefill there, in 8-token chunks 0.86x: BENCHMARK 0k)."""
     return LINEAR_PREFILL_CHUNK if mx.default_device() == mx.cpu and blas.reference_blas() else PREFILL_CHUNK
 
 
