@@ -125,6 +125,8 @@ def cannot_run(library: str) -> str | None:
     """Why ``library`` cannot multiply matrices on this CPU, or None. pip's
     builds target one processor each (AVX-512 on x86_64, Neoverse N2 on
     aarch64), so a matmul in a child process tells before this one relies on it."""
+    if not sys.executable:
+        raise OSError("no Python executable to run a test matmul in (an embedded interpreter): set DSPARK_OPENBLAS")
     done = subprocess.run([sys.executable, "-c", PROBE, library], capture_output=True, text=True, timeout=120)
     if done.returncode == 0:
         return None
@@ -217,7 +219,7 @@ def bundled(how: str) -> Blas:
 def too_late_warning(choice: Choice) -> str:
     try:
         path = loadable(choice)
-    except (OSError, subprocess.CalledProcessError):
+    except (OSError, subprocess.SubprocessError):
         path = choice.path
     return (f"mlx was imported before dspark_fn, so MLX's matmuls stay on the reference BLAS its wheel bundles "
             f"(multi-token forwards several times slower). Import dspark_fn before mlx (and before mlx_lm), or "
@@ -245,7 +247,7 @@ def use_openblas(environ=os.environ) -> Blas:
     try:
         library = loadable(choice)
         ctypes.CDLL(library, mode=ctypes.RTLD_GLOBAL)
-    except (OSError, subprocess.CalledProcessError) as error:
+    except (OSError, subprocess.SubprocessError) as error:  # a failed patch, a probe that hung, a load refused
         detail = str(getattr(error, "stderr", None) or error).strip()
         fix = {"DSPARK_OPENBLAS": "fix or unset DSPARK_OPENBLAS", "system": "reinstall it, or DSPARK_OPENBLAS=pip",
                "pip": PIP_FIX}[choice.source]

@@ -136,8 +136,17 @@ def cached_costs(key: str, measure: Callable[[], CostCurve], path: Path | None =
 PASSES = 7  # timed calls of each kernel; the fastest counts
 
 
-def measure_costs(params: Params, batch_size: int, widths, sampling=GREEDY) -> CostCurve:
-    """Time the draft kernel and the verify kernel of each width on this machine."""
+def measured_in_view(params: Params, batch_size: int, widths, sampling) -> CostCurve:
+    """``measure_costs`` with its progress on stderr, ending with where the curve is kept."""
+    status = CalibrationStatus(len(widths) + 1, PASSES)
+    curve = measure_costs(params, batch_size, widths, sampling, status)
+    status.done(cost_cache_path())
+    return curve
+
+
+def measure_costs(params: Params, batch_size: int, widths, sampling=GREEDY, report=None) -> CostCurve:
+    """Time the draft kernel and the verify kernel of each width on this
+    machine (``report``: see ``fastest_seconds``)."""
     cache = init_cache(params, batch_size, COST_CAPACITY)
     cache = cache._replace(length=mx.full((batch_size,), COST_CAPACITY // 2, mx.int32))
     tokens = mx.zeros((batch_size,), mx.int32)
@@ -149,9 +158,7 @@ def measure_costs(params: Params, batch_size: int, widths, sampling=GREEDY) -> C
 
     runs = {width: lambda width=width: verify_round(width) for width in widths}
     runs["draft"] = lambda: propose(params, cache, tokens, sampling)
-    status = CalibrationStatus(len(runs), PASSES)
-    seconds = fastest_seconds(runs, PASSES, status)
-    status.done(cost_cache_path())
+    seconds = fastest_seconds(runs, PASSES, report)
     return CostCurve(seconds.pop("draft"), monotone(seconds))
 
 
@@ -181,7 +188,7 @@ def verify_policy(
     """The policy for ``width`` = an int (fixed), None (the whole block) or
     "auto" (draft only when it pays, then Algorithm 1 over a cost curve:
     ``costs``, else measured on first use and cached per model, device,
-    batch size and sampling settings)."""
+    BLAS, batch size and sampling settings)."""
     spec = params.spec
     if not (width is None or width == "auto" or isinstance(width, int)):
         raise ValueError(f"verify width must be an integer, None or 'auto', got {width!r}")
@@ -190,12 +197,11 @@ def verify_policy(
     check_width(spec, widest)
     buckets = width_buckets(spec.block_size, widest)
     if auto and costs is None:
-        measure = lambda: measure_costs(params, batch_size, buckets, sampling)  # noqa: E731
         if mx.distributed.init().size() > 1:  # a cache hit on one rank only would leave the others timing alone
-            costs = agreed(measure())
+            costs = agreed(measure_costs(params, batch_size, buckets, sampling))
         else:
             key = cost_key(model_signature(params), batch_size, COST_CAPACITY, batch_sampling(sampling, batch_size)[1])
-            costs = cached_costs(key, measure)
+            costs = cached_costs(key, lambda: measured_in_view(params, batch_size, buckets, sampling))
     return VerifyPolicy(widest, buckets, confidence_threshold, costs if auto else None)
 
 
