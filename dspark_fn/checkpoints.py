@@ -206,9 +206,12 @@ def with_draft(adapter, target_spec, target_params: dict, draft_dir) -> Params:
 
 
 def load(target_dir, draft_dir) -> Params:
-    """Load a target and its DSpark draft from local directories."""
+    """Load a target and its DSpark draft from local directories (and a
+    multimodal release's image side, read when the first image is)."""
+    from .vision import load_vision
+
     adapter, target_spec, target_params, _ = load_target(target_dir)
-    return with_draft(adapter, target_spec, target_params, draft_dir)
+    return with_draft(adapter, target_spec, target_params, draft_dir)._replace(vision=load_vision(target_dir))
 
 
 def save_draft(directory, config: dict, weights: dict) -> Path:

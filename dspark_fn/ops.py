@@ -193,12 +193,15 @@ def _yarn_scaled(inv: mx.array, rope: dict, dims: int, theta: float) -> mx.array
 
 
 def apply_rope(x: mx.array, positions: mx.array, inv_freq: mx.array) -> mx.array:
-    """Half-split (HF layout) rotary embedding of ``x [B, H, L, D]`` at ``positions [B, L]``.
+    """Half-split (HF layout) rotary embedding of ``x [B, H, L, D]`` at
+    ``positions [B, L]``, or ``[B, L, D / 2]`` with a position per frequency
+    (multimodal RoPE, whose frequencies follow different axes of an image).
 
     Positions are data, so the same compiled kernel serves every offset and
     every row of a batch at its own offset.
     """
-    angles = positions.astype(mx.float32)[:, None, :, None] * inv_freq
+    per_frequency = positions if positions.ndim == 3 else positions[..., None]
+    angles = per_frequency.astype(mx.float32)[:, None] * inv_freq
     cos, sin = mx.cos(angles), mx.sin(angles)
     first, second = mx.split(x, 2, axis=-1)
     rotated = mx.concatenate(

@@ -7,10 +7,11 @@ draft block size, V vocabulary, V' draft vocabulary, d hidden size, F tapped
 features (taps x d), H / H_kv query / key-value heads, D head dim, K top-K.
 """
 
-from dataclasses import dataclass
-from typing import Any, NamedTuple
+from dataclasses import dataclass, replace
+from typing import Any, Callable, NamedTuple
 
 import mlx.core as mx
+import numpy as np
 
 from .interfaces import DraftArch, TargetAdapter
 
@@ -34,11 +35,87 @@ class PairSpec:
 
 
 class Params(NamedTuple):
-    """Parameter pytrees of the pair plus their static spec."""
+    """Parameter pytrees of the pair plus their static spec; ``vision`` is a
+    release's image side (``vision.Vision``: mlx-vlm's towers and processor,
+    read when the first image is), None for a target that takes no images."""
 
     spec: PairSpec
     target: dict
     draft: dict
+    vision: Any = None
+
+
+@dataclass(frozen=True, eq=False)
+class PromptImage:
+    """One image of a prompt: its content hash, how many tokens stand for it,
+    and its features (``encode() -> [count, d]``: the vision tower runs when
+    called, so an image inside a cached prefix is never encoded)."""
+
+    digest: str
+    count: int
+    encode: Callable
+
+
+@dataclass(frozen=True, eq=False)
+class ImagePrompt:
+    """A prompt with images as the release's processor lays it out
+    (``vision.image_prompt``); the prefill, ``generate`` and the decoder take
+    it wherever they take a token list.
+
+    tokens:      the whole prompt's ids, each image as its run(s) of ``image_token``
+    images:      its images in the order their tokens come (image i takes the next ``count`` image tokens)
+    positions:   ``[3, L]`` multimodal RoPE positions of the whole prompt (None: positions are the slots)
+    spans:       ``[L]`` image span of each token, -1 for text, for families whose image tokens
+                 attend to one another both ways in the prefill (None otherwise)
+    first:       where the part still to prefill starts (a cached prefix holds the tokens before)
+    """
+
+    tokens: tuple
+    image_token: int
+    images: tuple
+    positions: np.ndarray | None = None
+    spans: np.ndarray | None = None
+    first: int = 0
+
+    def __len__(self) -> int:
+        """Tokens still to prefill."""
+        return len(self.tokens) - self.first
+
+    @property
+    def rest(self) -> list:
+        """The token ids still to prefill."""
+        return list(self.tokens[self.first :])
+
+    def image_slots(self) -> np.ndarray:
+        """``[N]`` the prompt positions of the image tokens, in order."""
+        return np.flatnonzero(np.array(self.tokens) == self.image_token)
+
+    def after(self, start: int) -> "ImagePrompt":
+        """The prompt with its first ``start`` tokens held by a cached prefix;
+        an image cut by ``start`` cannot be resumed, so it is refused."""
+        slots, begin = self.image_slots(), 0
+        for image in self.images:
+            inside = slots[begin : begin + image.count]
+            if inside.size and inside[0] < start <= inside[-1]:
+                raise ValueError(f"a cached prefix of {start} tokens ends inside an image (tokens {inside[0]}.."
+                                 f"{inside[-1]}): resume before the image")
+            begin += image.count
+        return replace(self, first=start)
+
+    def shift(self, end: int | None = None) -> int:
+        """How far multimodal positions run ahead of the slots after the first
+        ``end`` tokens (default all): the last position + 1 - ``end``."""
+        end = len(self.tokens) if end is None else end
+        if self.positions is None or end == 0:
+            return 0
+        return int(self.positions[:, :end].max()) + 1 - end
+
+    def key(self) -> tuple:
+        """The prompt as a prompt cache compares it: its ids, each image token
+        paired with its image's content hash."""
+        digests = [image.digest for image in self.images for _ in range(image.count)]
+        slots = iter(digests)
+        return tuple((t, next(slots)) if t == self.image_token else t for t in self.tokens)
 
 
 class Proposal(NamedTuple):

@@ -1,0 +1,252 @@
+"""Images in, DSpark out: each family that takes images (``multimodal.RELEASES``:
+Gemma 4, Qwen3.5, LFM2-VL) on a tiny random release against mlx-vlm's own
+model of the same checkpoint, the same image and prompt.
+
+- the image prefill (chunks of 8: Gemma's image spans, which attend both
+  ways, are never cut; Qwen's multimodal positions and LFM2-VL's
+  convolutions run across chunk ends): the target's logits and taps at
+  every position within the fp32 bound of mlx-vlm's;
+- the draft's context after the prefill holds the taps of every position,
+  the image's included (``test_draft_context_covers_image_positions``);
+- greedy output equals mlx-vlm's ``generate`` (no speculation) for 64
+  tokens with always-right, always-wrong and partly-right proposals, and a
+  batch mixing image and text rows (images of two sizes) equals each row's
+  own reference;
+- bad input is refused before anything runs.
+
+Breaks tried (each restored after), and what caught them:
+- the taps at image positions zeroed in the prefill chunk:
+  test_draft_context_covers_image_positions (all families);
+- Gemma's span overlay dropped (image tokens causal): prefill[gemma4],
+  greedy[gemma4];
+- a chunk allowed to cut a Gemma image span: prefill[gemma4];
+- Qwen's position shift not added after the prompt (decode at the slot):
+  greedy[qwen3_5] and the mixed batch; its 3-D offsets dropped (every
+  axis at the temporal position): prefill[qwen3_5];
+- the height and width axes swapped in ``frequency_axes``: prefill[qwen3_5];
+- image features left out (token embeddings of the image token kept):
+  prefill and greedy, every family.
+"""
+
+import io
+import struct
+import zlib
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import dspark_fn
+from dspark_fn.checkpoints import load_tokenizer
+from dspark_fn.prefilling import chunk_spans, image_rows
+from dspark_fn.vision import image_prompt, read_image
+from helpers import PROPOSALS, build_pair, drive_proposals
+from multimodal import RELEASES, chat_text, synthetic_image, write_pair
+from numerics import assert_fp32_close
+
+pytestmark = pytest.mark.numerics
+
+NEW_TOKENS = 64
+CHUNK = 8
+
+
+class Release:
+    """A tiny release on disk, loaded by dspark_fn and by mlx-vlm."""
+
+    def __init__(self, root, family: str):
+        from mlx_vlm import load
+
+        self.family = family
+        self.described = write_pair(root, family)
+        self.params = dspark_fn.load(root / "target", root / "draft")
+        self.tokenizer = load_tokenizer(root / "target")
+        self.model, self.processor = load(str(root / "target"))
+        self.processor.tokenizer.stopping_criteria = lambda token: False  # every reference runs its whole budget
+
+    def text(self, words: str, images: int) -> str:
+        return chat_text(self.tokenizer, words, images)
+
+    def inputs(self, text: str, images: list) -> dict:
+        from mlx_vlm.utils import prepare_inputs, should_add_special_tokens
+
+        add = should_add_special_tokens(self.model.config.model_type, self.processor)
+        return dict(prepare_inputs(self.processor, images=images or None, prompts=[text], add_special_tokens=add))
+
+    def reference(self, text: str, images: list, taps: tuple):
+        """mlx-vlm's logits ``[L, V]`` and tapped layer outputs ``[L, F]`` over
+        the whole prompt, as its ``generate`` prefills it (one call)."""
+        from mlx_vlm.models.cache import make_prompt_cache
+
+        inputs = self.inputs(text, images)
+        ids, pixels, mask = inputs.pop("input_ids"), inputs.pop("pixel_values", None), inputs.pop("attention_mask")
+        embedded = self.model.get_input_embeddings(ids, pixels, mask=mask, **inputs)
+        extra = {k: v for k, v in embedded.to_dict().items() if k != "inputs_embeds" and v is not None}
+        cache = make_prompt_cache(self.model.language_model)
+        out = self.model.language_model(ids, inputs_embeds=embedded.inputs_embeds, cache=cache,
+                                        capture_layer_ids=list(taps), **inputs, **extra)
+        features = np.concatenate([np.array(h[0]) for h in out.hidden_states], axis=-1)
+        return np.array(out.logits[0]), features
+
+    def greedy(self, text: str, images: list, tokens: int) -> list:
+        """mlx-vlm's ``generate``, greedy, without speculation."""
+        from mlx_vlm.generate import stream_generate
+
+        results = list(stream_generate(self.model, self.processor, text, image=images or None, max_tokens=tokens,
+                                       temperature=0.0))
+        return results[-1].token_ids
+
+    def budget(self) -> dict:
+        text = self.described["config"]["text_config"]
+        return dict(layers=text["num_hidden_layers"], reduction=2 * text["intermediate_size"])
+
+
+@pytest.fixture(scope="module", params=sorted(RELEASES))
+def release(request, tmp_path_factory):
+    return Release(tmp_path_factory.mktemp(request.param), request.param)
+
+
+IMAGE = synthetic_image(24, 40, seed=1)
+OTHER = synthetic_image(40, 24, seed=2)  # another size: another number of image tokens
+
+
+def chunked_prefill(params, prompt, taps: tuple):
+    """The prompt's logits and taps at every position through the family's
+    ``prompt_forward`` in chunks of ``CHUNK``, as the prefill lays them out."""
+    spec = params.spec
+    adapter = spec.target_adapter
+    length = len(prompt.tokens)
+    padded = -(-length // CHUNK) * CHUNK
+    rows = image_rows(params, [prompt], np.array([0]), padded)
+    tokens = mx.array([list(prompt.tokens) + [0] * (padded - length)])
+    kv = adapter.init_kv(spec.target, 1, 64)
+    logits, features, plan = [], [], chunk_spans(padded, (CHUNK,), rows.whole)
+    for begin, size in plan:
+        chunk, start, images = tokens[:, begin : begin + size], mx.array([begin]), rows.chunk(begin, size)
+        if adapter.prompt_forward is None:
+            hidden, tapped, kv = adapter.forward(spec.target, params.target, kv, chunk, start, taps, images=images)
+        else:
+            hidden, tapped, kv = adapter.prompt_forward(spec.target, params.target, kv, chunk, start, taps,
+                                                        mx.array([0]), mx.array([length]), images=images)
+        logits.append(np.array(adapter.logits(spec.target, params.target, hidden)[0]))
+        features.append(np.array(tapped[0]))
+    return np.concatenate(logits)[:length], np.concatenate(features)[:length], plan, rows.whole
+
+
+def test_image_prefill_matches_mlx_vlm(release):
+    """Logits and taps at every position of a prompt with an image, prefilled
+    in chunks of 8, against mlx-vlm's one-call prefill; a chunk never cuts a
+    span that attends both ways."""
+    taps = tuple(range(release.params.spec.target.num_layers))
+    text = release.text("What is in this picture?", 1)
+    prompt = image_prompt(release.params, text, [IMAGE])
+    logits, features, plan, whole = chunked_prefill(release.params, prompt, taps)
+    expected_logits, expected_features = release.reference(text, [IMAGE], taps)
+    assert list(prompt.tokens) == np.array(release.inputs(text, [IMAGE])["input_ids"])[0].tolist()
+    assert_fp32_close(logits, expected_logits, "prefill logits", **release.budget())
+    assert_fp32_close(features, expected_features, "prefill taps", **release.budget())
+    ends = {begin + size for begin, size in plan}
+    assert not any(first < end < stop for first, stop in whole for end in ends)
+    if release.family == "gemma4":
+        assert whole and any(size > CHUNK for _, size in plan)  # the 15-token image stretched its chunk
+
+
+def test_draft_context_covers_image_positions(release):
+    """After ``prefill``, the draft's context holds the projected taps of
+    every prompt position, image positions included: equal to the context
+    the draft builds from mlx-vlm's own taps. Zeroing the taps at image
+    positions fails here."""
+    params = release.params
+    spec = params.spec
+    text = release.text("Describe it.", 1)
+    prompt = image_prompt(params, text, [IMAGE])
+    length = len(prompt.tokens)
+    cache, first = dspark_fn.prefill(params, dspark_fn.init_cache(params, 1, 256), [prompt])
+    logits, features = release.reference(text, [IMAGE], spec.taps)
+    assert first.tolist() == [int(np.argmax(logits[-1]))]
+    context = spec.draft_arch.init_context(spec.draft, 1, 256)
+    expected = spec.draft_arch.extend_context(spec.draft, params.draft, context, mx.array(features)[None],
+                                              mx.array([0]))
+    image_slots = mx.array(prompt.image_slots())
+    assert image_slots.size
+    for (keys, values), (want_keys, want_values) in zip(cache.draft, expected):
+        for ours, want, what in ((keys, want_keys, "keys"), (values, want_values, "values")):
+            assert_fp32_close(ours[0, :, :length], want[0, :, :length], f"draft context {what}", **release.budget())
+            assert_fp32_close(ours[0, :, image_slots], want[0, :, image_slots], f"draft context {what} at the image",
+                              **release.budget())
+
+
+@pytest.mark.parametrize("kind", sorted(PROPOSALS))
+def test_greedy_equals_mlx_vlm_generate(release, kind):
+    """64 tokens after a prompt with an image, verifying proposals built from
+    mlx-vlm's greedy stream: every round keeps exactly the right prefix."""
+    width = release.params.spec.block_size + 1
+    text = release.text("Tell me a story about it.", 1)
+    truth = release.greedy(text, [IMAGE], NEW_TOKENS + width)
+    prompt = image_prompt(release.params, text, [IMAGE])
+    vocab = release.params.spec.target.vocab_size
+    drive_proposals(None, release.params, vocab, [prompt], kind, NEW_TOKENS, truths=[truth])
+    assert len(set(truth[:NEW_TOKENS])) >= 8  # varied text, or equality proves little
+
+
+def test_a_batch_of_image_and_text_rows_equals_each_row(release):
+    """Rows with images of two sizes and a text row in one batch, each
+    accepting at its own pace: each equals its own reference."""
+    width = release.params.spec.block_size + 1
+    cases = [(release.text("Tell me about it.", 1), [IMAGE]), (release.text("Hello there, friend.", 0), []),
+             (release.text("Compare the two.", 2), [OTHER, IMAGE])]
+    truths = [release.greedy(text, images, 48 + width) for text, images in cases]
+    prompts = [image_prompt(release.params, text, images) if images
+               else np.array(release.inputs(text, [])["input_ids"])[0].tolist() for text, images in cases]
+    vocab = release.params.spec.target.vocab_size
+    drive_proposals(None, release.params, vocab, prompts, "partly-right", 48, shift=2, truths=truths)
+
+
+# ---- bad input, refused before anything runs
+
+
+def png(width: int, height: int, body: bytes = b"\x00") -> bytes:
+    """A PNG whose header claims ``width`` x ``height`` RGB pixels, with a tiny body."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(body)) + chunk(b"IEND", b"")
+
+
+def encoded(image, kind: str = "PNG") -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, kind)
+    return buffer.getvalue()
+
+
+def test_unreadable_truncated_and_bomb_images_are_refused():
+    with pytest.raises(ValueError, match="image 1 is not an image"):
+        read_image(b"these bytes are text")
+    whole = encoded(synthetic_image(64, 64))
+    with pytest.raises(ValueError, match="image 2 could not be decoded"):
+        read_image(whole[: len(whole) // 2], index=1)
+    with pytest.raises(ValueError, match=r"6000 x 6000 pixels .* at most 33,554,432"):
+        read_image(png(6000, 6000))  # 36 megapixels in a few bytes
+    with pytest.raises(ValueError, match="decompression bomb"):
+        read_image(png(100_000, 100_000))  # past PIL's own bound: refused as it opens
+    with pytest.raises(ValueError, match="no such file"):
+        read_image("/nonexistent/picture.png")
+    assert read_image(whole).size == (64, 64)
+
+
+def test_images_to_a_text_target_are_refused(tmp_path):
+    from dspark_fn.vision import image_families
+
+    build_pair(tmp_path, {**__import__("helpers").target_config()}, block_size=3)
+    params = dspark_fn.load(tmp_path / "target", tmp_path / "draft")
+    with pytest.raises(ValueError, match=r"this target \(qwen3\) takes no images.*gemma4.*lfm2-vl.*qwen3_5"):
+        image_prompt(params, "look: <image>", [IMAGE])
+    assert {"gemma4", "gemma4_unified", "qwen3_5", "qwen3_5_moe", "lfm2-vl"} == set(image_families())
+
+
+def test_placeholders_and_context_are_checked(release):
+    text = release.text("Two pictures?", 1)
+    with pytest.raises(ValueError, match=r"1 image placeholder\(s\) .* for 2 image\(s\)"):
+        image_prompt(release.params, text, [IMAGE, OTHER])
+    with pytest.raises(ValueError, match=r"with its 1 image\(s\) takes \d+ tokens .* the context holds 20"):
+        image_prompt(release.params, text, [IMAGE], max_tokens=20)
