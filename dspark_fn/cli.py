@@ -86,12 +86,38 @@ def prompt_list(args, tokenizer) -> list[list[int]]:
 
     if args.prompt_tokens:
         return args.prompt_tokens
+    if tokenizer is None:
+        raise SystemExit("dspark: this model has no tokenizer; pass --prompt-tokens 1,2,3")
+    return [chat_tokens(tokenizer, text, args.system, think=not args.no_think) for text in prompt_texts(args)]
+
+
+def prompt_texts(args) -> list[str]:
     texts = ([args.text] if args.text else []) + (args.prompt or [])
     if not texts:
         raise SystemExit('dspark: give a prompt: dspark generate "your question" (or --prompt-tokens 1,2,3)')
+    return texts
+
+
+def check_image_arguments(args) -> None:
+    """``--image`` goes with one text prompt, and not with ``--compare``: refused before anything loads."""
+    if args.prompt_tokens or len(prompt_texts(args)) != 1:
+        raise SystemExit("dspark: --image goes with one text prompt (not --prompt-tokens, not a batch)")
+    if args.compare:
+        raise SystemExit("dspark: --compare runs mlx-lm's text model alone, which reads no images: drop one of them")
+
+
+def image_prompt_list(args, params, tokenizer) -> list:
+    """The one prompt of ``--image`` runs: its images then its text in a user
+    turn, through the chat template and the release's processor."""
+    from .chat import image_turn, template_text
+    from .vision import image_prompt
+
     if tokenizer is None:
-        raise SystemExit("dspark: this model has no tokenizer; pass --prompt-tokens 1,2,3")
-    return [chat_tokens(tokenizer, text, args.system, think=not args.no_think) for text in texts]
+        raise SystemExit("dspark: this model has no tokenizer, so it cannot lay out a prompt with images")
+    turns = [{"role": "system", "content": args.system}] if args.system else []
+    text = template_text(tokenizer, turns + [image_turn(prompt_texts(args)[0], len(args.image))],
+                         think=not args.no_think)
+    return [image_prompt(params, text, args.image)]
 
 
 def parse_verify(text: str):
@@ -161,8 +187,10 @@ def run_generate(args) -> int:
     from .kernel import TRACE_COUNTS
     from .stats import DecodeClock
 
+    if args.image:
+        check_image_arguments(args)
     params, tokenizer, config = load(args)
-    prompts = prompt_list(args, tokenizer)
+    prompts = image_prompt_list(args, params, tokenizer) if args.image else prompt_list(args, tokenizer)
     if args.compare and len(prompts) > 1:
         raise SystemExit("dspark: --compare takes a single prompt")
     stop = stop_ids(tokenizer)
@@ -380,6 +408,9 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--prompt-tokens", type=parse_token_list, action="append",
                         help="prompt token ids, e.g. 1,2,3 (no template); repeat for a batch")
     add_chat_arguments(gen)
+    gen.add_argument("--image", action="append", metavar="PATH",
+                     help="an image the prompt is about (repeat for several, in order); a multimodal release "
+                     "whose vision side mlx-vlm has takes them (gemma4, qwen3_5, lfm2-vl), others refuse")
     gen.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
     gen.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: off)")
     gen.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set of mass p (1: off)")

@@ -24,7 +24,7 @@ from .prefilling import as_rows, insert, prefill
 from .rounds import no_proposal, propose, undrafted, verify
 from .sampling import GREEDY, Sampling, batch_sampling
 from .schedule import CostCurve, SlotRates, VerifyPolicy
-from .types import Copies, Event, Params, Step, TokenLogProbs, TokenScore
+from .types import Copies, Event, Params, Step, TokenLogProbs, TokenScore, prompt_ids
 
 PROPOSALS = ("auto", "draft", "copy")  # where a row's proposal comes from: chosen per row and round, or one source
 TOP_LOG_PROBS = 20  # the most likely tokens a round scores when a row asks for log-probabilities (OpenAI's limit)
@@ -179,7 +179,7 @@ class Decoder:
         for row, prompt, setting, token in zip(rows, prompts, settings, first):
             self.rows[row] = Row(sampling=setting, committed=len(prompt), budget=max_new_tokens,
                                  stop_tokens=frozenset(stop_tokens), scoring=top_log_probs, fresh=fresh,
-                                 index=CopyIndex(list(prompt) + [token]) if self.copying else None)
+                                 index=CopyIndex(prompt_ids(prompt) + [token]) if self.copying else None)
         self._sampling = batch_sampling([row.sampling if row else GREEDY for row in self.rows], self.batch)
 
     def _prefilled(self, rows: Sequence[int], first: list, scores: list | None) -> Step:
@@ -208,8 +208,9 @@ class Decoder:
                prefix: Cache | None = None, top_log_probs: int | None = None, max_new_tokens: int | None = None,
                stop_tokens: Sequence[int] = ()) -> Step:
         """New sequences in the free rows ``rows`` between rounds (prefilled
-        together), each with its budget of ``max_new_tokens`` (default: none)
-        and ``stop_tokens``; returns the step of their first tokens.
+        together; a prompt is a token list or an ``ImagePrompt``), each with
+        its budget of ``max_new_tokens`` (default: none) and ``stop_tokens``;
+        returns the step of their first tokens.
         ``prefix``: see ``insert``. With ``top_log_probs`` (0..20) these rows'
         tokens are scored, these and every later one's (``Step.log_probs``)."""
         settings = [sampling] * len(rows) if isinstance(sampling, Sampling) else list(sampling)
@@ -400,7 +401,8 @@ def generate(
     proposals: str = "auto",
 ) -> Iterator[Event]:
     """DSpark generation for one prompt or a batch of prompts (a list of
-    token lists), one ``Event`` per row per step.
+    token lists; a prompt with images is an ``ImagePrompt``, from
+    ``vision.image_prompt``), one ``Event`` per row per step.
 
     ``width``: "auto" (default: draft only when the measured acceptance and
     costs say it pays, then Algorithm 1 picks the length), an int (fixed) or

@@ -25,7 +25,7 @@ from .kernel import compiled
 from .rng import row_seeds, uniforms
 from .sampling import GREEDY, Mode, RowSampling, batch_sampling, choose, token_log_probs
 from .targets import activation_dtype
-from .types import ImagePrompt, PairSpec, Params, TokenLogProbs
+from .types import ImagePrompt, PairSpec, Params, TokenLogProbs, prompt_key
 
 PREFILL_CHUNK = 64  # the smallest chunk: a prompt pads to a multiple of it
 LONG_PREFILL_CHUNK = 256  # long stretches of a prompt go in these (bigger matmuls run faster)
@@ -85,7 +85,7 @@ def as_rows(prompt) -> list:
         prompt = [prompt]
     rows = [list(prompt)] if prompt and isinstance(prompt[0], int) else [
         r if isinstance(r, ImagePrompt) else list(r) for r in prompt]
-    if not rows or any(len(r) == 0 for r in rows):
+    if not rows or any(len(row_tokens(r)) == 0 for r in rows):
         raise ValueError("prompt is empty: give at least one token per row")
     return rows
 
@@ -101,7 +101,7 @@ def _distinct_rows(rows: list, starts: np.ndarray) -> tuple[list[int], list[int]
     a committed prefix of its own; and for each row the index of the one that
     runs for it."""
     first_seen: dict = {}
-    keys = [(r.key() if isinstance(r, ImagePrompt) else tuple(r)) if start == 0 else ("prefix", i)
+    keys = [tuple(prompt_key(r)) if start == 0 else ("prefix", i)
             for i, (r, start) in enumerate(zip(rows, starts))]
     source = [first_seen.setdefault(key, len(first_seen)) for key in keys]
     return [source.index(i) for i in range(len(first_seen))], source
@@ -257,7 +257,7 @@ def image_rows(params: Params, rows: list, starts: np.ndarray, length: int) -> I
         if row.first != start:
             raise ValueError(f"row {b}: its image prompt continues after {row.first} tokens but the cache row holds "
                              f"{int(start)}: give the prompt .after(the tokens the row holds)")
-        size = len(row)
+        size = len(row.rest)
         slots = row.image_slots()
         begin = 0
         for image in row.images:

@@ -78,8 +78,8 @@ class ImagePrompt:
     first: int = 0
 
     def __len__(self) -> int:
-        """Tokens still to prefill."""
-        return len(self.tokens) - self.first
+        """The whole prompt's tokens."""
+        return len(self.tokens)
 
     @property
     def rest(self) -> list:
@@ -90,16 +90,25 @@ class ImagePrompt:
         """``[N]`` the prompt positions of the image tokens, in order."""
         return np.flatnonzero(np.array(self.tokens) == self.image_token)
 
+    def image_ranges(self) -> list[tuple[int, int]]:
+        """``(first, last)`` prompt positions of each image's tokens."""
+        slots, ranges, begin = self.image_slots(), [], 0
+        for image in self.images:
+            ranges.append((int(slots[begin]), int(slots[begin + image.count - 1])))
+            begin += image.count
+        return ranges
+
+    def resumable(self, length: int) -> int:
+        """The longest prefix of at most ``length`` tokens that ends between
+        images: a cached prefix can resume the prompt there."""
+        return min([first for first, last in self.image_ranges() if first < length <= last], default=length)
+
     def after(self, start: int) -> "ImagePrompt":
         """The prompt with its first ``start`` tokens held by a cached prefix;
         an image cut by ``start`` cannot be resumed, so it is refused."""
-        slots, begin = self.image_slots(), 0
-        for image in self.images:
-            inside = slots[begin : begin + image.count]
-            if inside.size and inside[0] < start <= inside[-1]:
-                raise ValueError(f"a cached prefix of {start} tokens ends inside an image (tokens {inside[0]}.."
-                                 f"{inside[-1]}): resume before the image")
-            begin += image.count
+        if self.resumable(start) != start:
+            raise ValueError(f"a cached prefix of {start} tokens ends inside an image: resume at "
+                             f"{self.resumable(start)}, before it")
         return replace(self, first=start)
 
     def shift(self, end: int | None = None) -> int:
@@ -110,12 +119,22 @@ class ImagePrompt:
             return 0
         return int(self.positions[:, :end].max()) + 1 - end
 
-    def key(self) -> tuple:
+    def key(self) -> list:
         """The prompt as a prompt cache compares it: its ids, each image token
         paired with its image's content hash."""
-        digests = [image.digest for image in self.images for _ in range(image.count)]
-        slots = iter(digests)
-        return tuple((t, next(slots)) if t == self.image_token else t for t in self.tokens)
+        digests = iter([image.digest for image in self.images for _ in range(image.count)])
+        return [(t, next(digests)) if t == self.image_token else t for t in self.tokens]
+
+
+def prompt_ids(prompt) -> list:
+    """The token ids of a whole prompt (a token list or an ``ImagePrompt``)."""
+    return list(prompt.tokens) if isinstance(prompt, ImagePrompt) else list(prompt)
+
+
+def prompt_key(prompt) -> list:
+    """A prompt as prompt caches compare it: its ids, an image prompt's image
+    tokens paired with their image's content hash (the same picture matches)."""
+    return prompt.key() if isinstance(prompt, ImagePrompt) else list(prompt)
 
 
 class Proposal(NamedTuple):

@@ -55,6 +55,7 @@ class Vision:
     release: object  # interfaces.Release
     config: dict
     dtype: object = None  # the towers' compute dtype (None: as stored)
+    encoded: int = 0  # images run through the towers so far
     _model: object = field(default=None, repr=False)
     _processor: object = field(default=None, repr=False)
 
@@ -71,12 +72,17 @@ class Vision:
     @property
     def processor(self):
         if self._processor is None:
-            self._processor = release_processor(self.directory)
+            self._processor = release_processor(self.directory, self.config)
         return self._processor
 
     @property
     def text_config(self) -> dict:
         return text_model_config(self.config)
+
+    @property
+    def model_config(self):
+        """mlx-vlm's config of the release (no weights)."""
+        return vlm_config(self.config)[1]
 
 
 def load_vision(directory, config: dict | None = None, dtype=None) -> Vision | None:
@@ -98,12 +104,8 @@ def tower_model(directory: Path, release, config: dict, dtype=None):
     reads is refused, naming it."""
     import mlx.nn as nn
     from mlx.utils import tree_flatten
-    from mlx_vlm.utils import get_model_and_args, update_module_configs
 
-    module, _ = get_model_and_args(dict(config))
-    settings = {"text_config": {}, "vision_config": {}, **config}
-    model_config = update_module_configs(module.ModelConfig.from_dict(settings), module, settings,
-                                         ["text", "vision", "projector"])
+    module, model_config = vlm_config(config)
     model = module.Model(model_config)
     model.language_model = nn.Module()  # never evaluated: the target runs the text model
     weights = model.sanitize(release.tower_weights(read_safetensors(directory, "target")))
@@ -124,6 +126,16 @@ def tower_model(directory: Path, release, config: dict, dtype=None):
     return model
 
 
+def vlm_config(config: dict) -> tuple:
+    """``(mlx-vlm's module of the release, its ModelConfig)``, as mlx-vlm's loader builds them."""
+    from mlx_vlm.utils import get_model_and_args, update_module_configs
+
+    module, _ = get_model_and_args(dict(config))
+    settings = {"text_config": {}, "vision_config": {}, **config}
+    return module, update_module_configs(module.ModelConfig.from_dict(settings), module, settings,
+                                         ["text", "vision", "projector"])
+
+
 def quantize_stored(model, weights: dict) -> None:
     """mlx-vlm's modules made quantized where the checkpoint stores them so
     (the group size and bits each tensor's shapes say)."""
@@ -138,10 +150,12 @@ def quantize_stored(model, weights: dict) -> None:
     nn.quantize(model, class_predicate=stored)
 
 
-def release_processor(directory: Path):
-    """The release's processor as mlx-vlm loads it (its own torch-free image processors)."""
+def release_processor(directory: Path, config: dict):
+    """The release's processor as mlx-vlm loads it (its own torch-free image
+    processors, which importing the release's mlx-vlm module installs)."""
     from mlx_vlm.utils import load_image_processor, load_processor
 
+    vlm_config(config)
     processor = load_processor(directory, add_detokenizer=False)
     image_processor = load_image_processor(directory)
     if image_processor is not None:
@@ -231,7 +245,7 @@ def image_prompt(params, text: str, images: list, *, max_pixels: int = MAX_IMAGE
     side = vision.side
     positions = None
     if side.positions is not None:
-        positions = np.asarray(side.positions(vision.model, ids, whole), np.int64)
+        positions = np.asarray(side.positions(vision.model_config, ids, whole), np.int64)
     spans = image_spans(ids == image_token) if side.bidirectional(vision.text_config) else None
     entries = tuple(PromptImage(image_digest(picture), count, partial(encode, vision, inputs, count))
                     for picture, count, inputs in zip(pictures, counts, per_image))
@@ -255,14 +269,17 @@ def processed(vision: Vision, text: str, pictures: list) -> dict:
     inputs = prepare_inputs(vision.processor, images=pictures, prompts=[text],
                             add_special_tokens=should_add_special_tokens(vision.config["model_type"],
                                                                          vision.processor))
-    inputs = dict(inputs)
-    inputs["input_ids"] = np.array(inputs["input_ids"])[0]
+    # numpy, not MLX: a server reads requests on other threads than the one that runs the model
+    inputs = {key: np.array(value) if isinstance(value, mx.array) else value for key, value in inputs.items()}
+    inputs["input_ids"] = inputs["input_ids"][0]
     return inputs
 
 
 def encode(vision: Vision, inputs: dict, count: int) -> mx.array:
     """``[count, d]``: one image's features from mlx-vlm's tower and projector."""
+    inputs = {key: mx.array(value) if isinstance(value, np.ndarray) else value for key, value in inputs.items()}
     features = vision.side.features(vision.model, inputs)
+    vision.encoded += 1
     if features.shape[0] != count:
         raise ValueError(f"the vision tower gave {features.shape[0]} features for an image of {count} tokens")
     return features

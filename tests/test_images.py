@@ -29,6 +29,7 @@ Breaks tried (each restored after), and what caught them:
 """
 
 import io
+import json
 import struct
 import zlib
 
@@ -40,7 +41,8 @@ import dspark_fn
 from dspark_fn.checkpoints import load_tokenizer
 from dspark_fn.prefilling import chunk_spans, image_rows
 from dspark_fn.vision import image_prompt, read_image
-from helpers import PROPOSALS, build_pair, drive_proposals
+from dspark_fn.kernel import TRACE_COUNTS
+from helpers import PROPOSALS, build_pair, drive_proposals, speculative_tokens
 from multimodal import RELEASES, chat_text, synthetic_image, write_pair
 from numerics import assert_fp32_close
 
@@ -56,7 +58,7 @@ class Release:
     def __init__(self, root, family: str):
         from mlx_vlm import load
 
-        self.family = family
+        self.family, self.root = family, root
         self.described = write_pair(root, family)
         self.params = dspark_fn.load(root / "target", root / "draft")
         self.tokenizer = load_tokenizer(root / "target")
@@ -199,6 +201,110 @@ def test_a_batch_of_image_and_text_rows_equals_each_row(release):
                else np.array(release.inputs(text, [])["input_ids"])[0].tolist() for text, images in cases]
     vocab = release.params.spec.target.vocab_size
     drive_proposals(None, release.params, vocab, prompts, "partly-right", 48, shift=2, truths=truths)
+
+
+# ---- the driver and the command line
+
+
+def test_generate_equals_mlx_vlm_generate(release):
+    """``generate`` (the driver: the draft gate, copies, widths by Algorithm 1) after an image prompt."""
+    text = release.text("Tell me a story about it.", 1)
+    prompt = image_prompt(release.params, text, [IMAGE])
+    assert speculative_tokens(release.params, [prompt], NEW_TOKENS) == release.greedy(text, [IMAGE], NEW_TOKENS)
+
+
+def test_generate_batch_of_image_and_text_rows_equals_each_alone(release):
+    texts = [release.text("What is in it?", 1), release.text("Say something.", 0), release.text("Both?", 2)]
+    prompts = [image_prompt(release.params, texts[0], [OTHER]),
+               np.array(release.inputs(texts[1], [])["input_ids"])[0].tolist(),
+               image_prompt(release.params, texts[2], [IMAGE, OTHER])]
+    together = [[] for _ in prompts]
+    for event in dspark_fn.generate(release.params, prompts, 40):
+        together[event.row] += event.emitted
+    assert together == [speculative_tokens(release.params, [prompt], 40) for prompt in prompts]
+
+
+def row_tokens(decoder, row: int, step) -> list:
+    """Row ``row``'s tokens from ``step`` on, until it ends."""
+    tokens = sum((event.emitted for event in step.events() if event.row == row), [])
+    while not decoder.rows[row].finish:
+        tokens += sum((event.emitted for event in decoder.step().events() if event.row == row), [])
+    return tokens
+
+
+def test_decoder_inserts_an_image_prompt_into_a_running_batch(release):
+    """A text row runs; an image prompt joins it between rounds and decodes as mlx-vlm does."""
+    params = release.params
+    text = release.text("Tell me about it.", 1)
+    decoder = dspark_fn.Decoder(params, 2)
+    decoder.insert([0], [np.array(release.inputs(release.text("Hi.", 0), [])["input_ids"])[0].tolist()],
+                   max_new_tokens=40)
+    for _ in range(3):
+        decoder.step()
+    step = decoder.insert([1], [image_prompt(params, text, [IMAGE])], max_new_tokens=30)
+    assert row_tokens(decoder, 1, step) == release.greedy(text, [IMAGE], 30)
+
+
+def test_a_cached_image_prefix_is_not_encoded_again(release):
+    """A later turn about the same image continues from the cache of the
+    first (as the server's prompt cache hands it over): its image is not
+    encoded again, and it decodes as the whole prompt would."""
+    params, vision = release.params, release.params.vision
+    first = image_prompt(params, release.text("Tell me about it.", 1), [IMAGE])
+    cached, _ = dspark_fn.prefill(params, dspark_fn.init_cache(params, 1, 256), [first])
+    later = image_prompt(params, release.text("Tell me about it.", 1) + "Then", [IMAGE])
+    assert later.tokens[: len(first)] == first.tokens
+    alone = speculative_tokens(params, [later], 16)
+    encoded = vision.encoded
+    decoder = dspark_fn.Decoder(params, 1)
+    step = decoder.insert([0], [later], prefix=cached, max_new_tokens=16)
+    assert vision.encoded == encoded
+    assert row_tokens(decoder, 0, step) == alone
+
+
+def traces_during(fn) -> dict:
+    before = TRACE_COUNTS.copy()
+    fn()
+    return {k: TRACE_COUNTS[k] - before[k] for k in TRACE_COUNTS if TRACE_COUNTS[k] != before[k]}
+
+
+def test_rounds_compile_once_whatever_the_image_sizes(release):
+    """Images of other sizes (other numbers of image tokens) enter through the
+    prefill only: the round kernels do not trace again."""
+    text = release.text("What is it?", 1)
+    run = lambda prompt: speculative_tokens(release.params, [prompt], 24, width=None, capacity=256)  # noqa: E731
+    run(image_prompt(release.params, text, [IMAGE]))
+    again = traces_during(lambda: [run(image_prompt(release.params, release.text("And this?", n), images))
+                                   for n, images in ((1, [OTHER]), (2, [OTHER, synthetic_image(32, 32, 3)]))])
+    assert set(again) <= {"prefill_images"}, again  # a span that stretches its chunk: a prefill kernel of that size
+
+
+def test_dspark_generate_image(release, tmp_path, capsys):
+    """``dspark generate --image PATH "prompt"`` prints the tokens mlx-vlm's
+    generate gives for that image and the prompt in a user turn (up to the
+    release's stop token, which ends the CLI's reply)."""
+    from dspark_fn.cli import main
+
+    IMAGE.save(tmp_path / "picture.png")
+    root = release.root
+    code = main(["generate", "--model", str(root / "target"), "--draft", str(root / "draft"), "--image",
+                 str(tmp_path / "picture.png"), "What is in this picture?", "--max-tokens", "24", "--json"])
+    assert code == 0
+    tokens = json.loads(capsys.readouterr().out)["tokens"]
+    expected = release.greedy(release.text("What is in this picture?", 1), [IMAGE], 24)
+    assert tokens == expected[: len(tokens)] and (len(tokens) == 24 or tokens[-1] in release.described["stops"])
+
+
+def test_dspark_generate_refuses_what_it_cannot_read(release, tmp_path, capsys):
+    from dspark_fn.cli import main
+
+    root = release.root
+    model = ["--model", str(root / "target"), "--draft", str(root / "draft")]
+    (tmp_path / "cut.png").write_bytes(encoded(synthetic_image(64, 64))[:300])
+    assert main(["generate", *model, "--image", str(tmp_path / "cut.png"), "What is it?"]) == 2
+    assert "image 1 could not be decoded (truncated or corrupt)" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="--image goes with one text prompt"):
+        main(["generate", *model, "--image", str(tmp_path / "cut.png"), "--prompt-tokens", "1,2,3"])
 
 
 # ---- bad input, refused before anything runs

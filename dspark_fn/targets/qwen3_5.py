@@ -279,18 +279,20 @@ def image_features(vlm, inputs: dict) -> mx.array:
     return features
 
 
-def image_positions(vlm, ids, inputs: dict):
+def image_positions(vlm_config, ids, inputs: dict):
     """``[3, L]``: mlx-vlm's multimodal RoPE positions of a prompt's tokens
     (each image's tokens laid out over time, height and width; the text after
-    an image resumes past its largest position)."""
+    an image resumes past its largest position). ``get_rope_index`` reads
+    only its model's config, so it runs here without the model."""
     from types import SimpleNamespace
 
     from mlx_vlm.utils import get_model_and_args
 
-    module, _ = get_model_and_args({"model_type": vlm.config.model_type})
+    module, _ = get_model_and_args({"model_type": vlm_config.model_type})
     ids = mx.array(ids)[None]
-    positions, _ = module.LanguageModel.get_rope_index(SimpleNamespace(config=vlm.config), ids,
-                                                       inputs.get("image_grid_thw"))
+    grid = inputs.get("image_grid_thw")
+    positions, _ = module.LanguageModel.get_rope_index(SimpleNamespace(config=vlm_config), ids,
+                                                       None if grid is None else mx.array(grid))
     return positions[:, 0] if positions.ndim == 3 else mx.broadcast_to(positions, (3, ids.shape[1]))
 
 
