@@ -365,6 +365,7 @@ def run_serve(args) -> int:
         from .serve.access import KEY_VARIABLE, is_loopback, read_keys
         from .serve.app import serve, system_fingerprint
         from .serve.engine import Engine
+        from .serve.images import ImageSources
     except ImportError as missing:
         raise SystemExit(f"dspark serve needs its extra: pip install 'dspark-fn[serve]' ({missing})") from None
     from .catalog import resolve
@@ -389,7 +390,8 @@ def run_serve(args) -> int:
         return 1 if engine.dead else 0
     print(f"dspark: serving {name} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     options = dict(fingerprint=system_fingerprint(name, resolve(args.model, args.draft)[1]), api_keys=keys,
-                   max_body_bytes=int(args.max_body_mb * (1 << 20)))
+                   max_body_bytes=int(args.max_body_mb * (1 << 20)),
+                   image_sources=ImageSources(files=args.allow_image_files, urls=args.allow_image_urls))
     if serve(engine, tokenizer, name, args.host, args.port, **options):
         raise SystemExit(f"dspark: the decoding engine failed and could not start again ({engine.failure})")
     return 0
@@ -488,6 +490,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--no-api-key", action="store_true",
                        help="serve without a key on an address other machines reach (refused otherwise)")
     serve.add_argument("--max-body-mb", type=float, default=16, help="largest request body taken (413 past it)")
+    serve.add_argument("--allow-image-files", action="store_true",
+                       help="read file:// image URLs in messages (files of this machine); data: URLs are always read")
+    serve.add_argument("--allow-image-urls", action="store_true",
+                       help="fetch http(s):// image URLs in messages (the server reaches out to them)")
     serve.add_argument("--max-queue", type=int, default=64,
                        help="requests that may wait for a row; past it new ones get 429 with Retry-After")
     serve.add_argument("--queue-timeout", type=float, default=600,

@@ -9,7 +9,9 @@ advances all active rows at once. Each row keeps its own sampling settings
 and seed. Requests talk to the thread through queues only, so the web
 server never touches MLX.
 
-A finished row's cache is kept for the conversation's next turn. A round
+A finished row's cache is kept for the conversation's next turn, under its
+tokens with each image token paired with its image's content hash: a later
+turn about the same image reuses it and never encodes the image again. A round
 may commit tokens past the reply's end (drafts accepted beyond the budget
 or a stop token) that the client never sees, so its next turn does not
 repeat them: attention slots serve any shorter prefix, but a recurrent
@@ -63,7 +65,7 @@ from ..driver import TOP_LOG_PROBS, Decoder, token_scores
 from ..prefilling import score_prompt
 from ..sampling import GREEDY, Sampling
 from ..stats import Tally
-from ..types import Params, TokenLogProbs
+from ..types import ImagePrompt, Params, TokenLogProbs, prompt_key
 
 RETRY_AFTER = 1  # seconds a refused client is asked to wait before trying again
 
@@ -87,7 +89,7 @@ class Request:
     tokens of each round on ``events``, then one that ends it ("done" or
     "error"); ``cancel()`` frees its row."""
 
-    prompt: list
+    prompt: list  # token ids, or an ImagePrompt
     max_tokens: int
     sampling: Sampling = GREEDY
     seed: int = 0
@@ -223,12 +225,15 @@ class PromptCache:
         while self.entries and self.used > self.budget:
             self.entries.popitem(last=False)
 
-    def lookup(self, prompt: list) -> Cache | None:
-        """The stored cache sharing the longest prefix with ``prompt``, its
-        length cut to that prefix (and to leave at least one prompt token)."""
+    def lookup(self, prompt: list, resumable=None) -> Cache | None:
+        """The stored cache sharing the longest prefix with ``prompt`` (a
+        ``prompt_key``: images by their content), its length cut to that
+        prefix (and to leave at least one prompt token; with ``resumable``,
+        to the longest prefix it allows: not inside an image)."""
         best, best_length = None, 0
         for tokens, (cache, _) in self.entries.items():
             length = min(common_prefix(list(tokens), prompt), len(prompt) - 1)
+            length = resumable(length) if resumable is not None else length
             if cache.recurrent and length != len(tokens):
                 continue
             if length > best_length:
@@ -289,6 +294,9 @@ class Engine:
         self._run(self._options, threading.Event())
 
     def submit(self, request: Request) -> Request:
+        if self.group is not None and isinstance(request.prompt, ImagePrompt):
+            raise ValueError("images are not served across ranks (mlx.launch): the ranks share requests as token "
+                             "ids; serve a multimodal release from one process to send it images")
         if len(request.prompt) + request.max_tokens + self.decoder.policy.max_width > self.max_context:
             raise ValueError(
                 f"prompt of {len(request.prompt)} tokens + max_tokens {request.max_tokens} exceed the "
@@ -335,6 +343,7 @@ class Engine:
                              "budget_bytes": self.prompt_cache.budget,
                              "hits": self.prompt_cache.hits, "misses": self.prompt_cache.misses},
             "memory": memory_use(),
+            "images_encoded": self.params.vision.encoded if self.params.vision is not None else 0,
         }
 
     # ---- the decoding thread
@@ -446,14 +455,16 @@ class Engine:
             row = free.pop(0)
             if not self.rows:  # alone in the batch: start from a fresh policy, so runs repeat
                 self.decoder.reset_policy()
-            self.rows[row] = (request, list(request.prompt))  # in the batch from here: a failure ends it too
+            self.rows[row] = (request, prompt_key(request.prompt))  # in the batch from here: a failure ends it too
             if request.score_prompt:  # its prompt scored at every position: nothing of it comes from the cache
                 scored = self._score(request)[0]  # the row goes on from it, all but the last token (prefilled
                 # again for the first new one): a recurrent state holds only after every token, so not there
                 prefix = None if scored.recurrent else scored._replace(
                     length=mx.array([len(request.prompt) - 1], mx.int32))
             else:
-                prefix = self.prompt_cache.lookup(request.prompt)
+                images = isinstance(request.prompt, ImagePrompt)
+                prefix = self.prompt_cache.lookup(prompt_key(request.prompt),
+                                                  request.prompt.resumable if images else None)
                 request.cached_tokens = int(prefix.length.item()) if prefix is not None else 0
             self._deliver(self.decoder.insert(
                 [row], [request.prompt], sampling=request.sampling, seeds=[request.seed], prefix=prefix,
@@ -475,7 +486,7 @@ class Engine:
                     request.events.put(Update("done", "length"))
                     continue
                 cache, first, score = self._score(request)
-                self.prompt_cache.store(request.prompt, cache)
+                self.prompt_cache.store(prompt_key(request.prompt), cache)
                 if request.max_tokens:
                     request.produced = 1
                     request.events.put(Update("tokens", [first], [score]))
