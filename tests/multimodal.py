@@ -18,6 +18,8 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
+import dspark_fn
+from dspark_fn.checkpoints import load_tokenizer
 from helpers import build_draft, draft_config, target_config
 from published import write_tokenizer
 
@@ -243,3 +245,59 @@ def chat_text(tokenizer, text: str, images: int) -> str:
     parts = [{"type": "image"}] * images + [{"type": "text", "text": text}]
     return tokenizer.apply_chat_template([{"role": "user", "content": parts}], add_generation_prompt=True,
                                          tokenize=False)
+
+
+class Release:
+    """A tiny release on disk, loaded by dspark_fn and by mlx-vlm."""
+
+    def __init__(self, root, family: str):
+        from mlx_vlm import load
+
+        self.family, self.root = family, root
+        self.described = write_pair(root, family)
+        self.params = dspark_fn.load(root / "target", root / "draft")
+        self.tokenizer = load_tokenizer(root / "target")
+        self.model, self.processor = load(str(root / "target"))
+        self.processor.tokenizer.stopping_criteria = lambda token: False  # every reference runs its whole budget
+
+    def text(self, words: str, images: int) -> str:
+        return chat_text(self.tokenizer, words, images)
+
+    def inputs(self, text: str, images: list) -> dict:
+        from mlx_vlm.utils import prepare_inputs, should_add_special_tokens
+
+        add = should_add_special_tokens(self.model.config.model_type, self.processor)
+        return dict(prepare_inputs(self.processor, images=images or None, prompts=[text], add_special_tokens=add))
+
+    def reference(self, text: str, images: list, taps: tuple = (), then: tuple = ()):
+        """mlx-vlm's logits ``[L, V]`` and tapped layer outputs ``[L, F]`` over
+        the whole prompt (and the tokens ``then`` after it), as its
+        ``generate`` prefills it (one call)."""
+        from mlx_vlm.models.cache import make_prompt_cache
+
+        inputs = self.inputs(text, images)
+        ids, pixels, mask = inputs.pop("input_ids"), inputs.pop("pixel_values", None), inputs.pop("attention_mask")
+        if then:
+            ids = mx.concatenate([mx.array(ids), mx.array([list(then)], mx.int32).astype(mx.array(ids).dtype)], axis=1)
+            mask = mx.ones(ids.shape, mx.int32)
+            inputs = {key: mx.concatenate([mx.array(value), mx.zeros((1, len(then)), mx.array(value).dtype)], axis=1)
+                      if key in ("mm_token_type_ids", "token_type_ids") else value for key, value in inputs.items()}
+        embedded = self.model.get_input_embeddings(ids, pixels, mask=mask, **inputs)
+        extra = {k: v for k, v in embedded.to_dict().items() if k != "inputs_embeds" and v is not None}
+        cache = make_prompt_cache(self.model.language_model)
+        out = self.model.language_model(ids, inputs_embeds=embedded.inputs_embeds, cache=cache,
+                                        capture_layer_ids=list(taps), **inputs, **extra)
+        features = np.concatenate([np.array(h[0]) for h in out.hidden_states], axis=-1) if taps else None
+        return np.array(out.logits[0]), features
+
+    def greedy(self, text: str, images: list, tokens: int) -> list:
+        """mlx-vlm's ``generate``, greedy, without speculation."""
+        from mlx_vlm.generate import stream_generate
+
+        results = list(stream_generate(self.model, self.processor, text, image=images or None, max_tokens=tokens,
+                                       temperature=0.0))
+        return results[-1].token_ids
+
+    def budget(self) -> dict:
+        text = self.described["config"]["text_config"]
+        return dict(layers=text["num_hidden_layers"], reduction=2 * text["intermediate_size"])

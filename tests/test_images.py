@@ -1,6 +1,7 @@
 """Images in, DSpark out: each family that takes images (``multimodal.RELEASES``:
-Gemma 4, Qwen3.5, LFM2-VL) on a tiny random release against mlx-vlm's own
-model of the same checkpoint, the same image and prompt.
+Gemma 4, Qwen3.5, LFM2-VL) on a tiny random release in the published
+layout, against mlx-vlm's own model of the same checkpoint, the same image
+and the same prompt.
 
 - the image prefill (chunks of 8: Gemma's image spans, which attend both
   ways, are never cut; Qwen's multimodal positions and LFM2-VL's
@@ -9,23 +10,26 @@ model of the same checkpoint, the same image and prompt.
 - the draft's context after the prefill holds the taps of every position,
   the image's included (``test_draft_context_covers_image_positions``);
 - greedy output equals mlx-vlm's ``generate`` (no speculation) for 64
-  tokens with always-right, always-wrong and partly-right proposals, and a
+  tokens with always-right, always-wrong and partly-right proposals; a
   batch mixing image and text rows (images of two sizes) equals each row's
-  own reference;
-- bad input is refused before anything runs.
+  own reference; ``generate``, ``Decoder.insert`` and ``dspark generate
+  --image`` likewise; a cached image prefix is not encoded again; the
+  round kernels do not trace again for other image sizes;
+- bad input is refused, naming it, before anything runs.
 
 Breaks tried (each restored after), and what caught them:
 - the taps at image positions zeroed in the prefill chunk:
-  test_draft_context_covers_image_positions (all families);
-- Gemma's span overlay dropped (image tokens causal): prefill[gemma4],
-  greedy[gemma4];
-- a chunk allowed to cut a Gemma image span: prefill[gemma4];
-- Qwen's position shift not added after the prompt (decode at the slot):
-  greedy[qwen3_5] and the mixed batch; its 3-D offsets dropped (every
-  axis at the temporal position): prefill[qwen3_5];
-- the height and width axes swapped in ``frequency_axes``: prefill[qwen3_5];
-- image features left out (token embeddings of the image token kept):
-  prefill and greedy, every family.
+  test_draft_context_covers_image_positions (every family);
+- Gemma's span overlay dropped (image tokens causal): test_image_prefill
+  and the greedy tests [gemma4];
+- a chunk allowed to cut a Gemma image span: test_image_prefill[gemma4];
+- Qwen's position shift not added after the prompt (decoding at the
+  slots): the greedy tests and the mixed batch [qwen3_5], and
+  test_sampling's image case;
+- Qwen's 3-D offsets dropped, or the height and width axes swapped in
+  ``frequency_axes``: test_image_prefill[qwen3_5];
+- image features left out (the image token's own embedding kept): the
+  prefill and greedy tests [lfm2-vl].
 """
 
 import io
@@ -43,63 +47,13 @@ from dspark_fn.prefilling import chunk_spans, image_rows
 from dspark_fn.vision import image_prompt, read_image
 from dspark_fn.kernel import TRACE_COUNTS
 from helpers import PROPOSALS, build_pair, drive_proposals, speculative_tokens
-from multimodal import RELEASES, chat_text, synthetic_image, write_pair
+from multimodal import RELEASES, Release, chat_text, synthetic_image
 from numerics import assert_fp32_close
 
 pytestmark = pytest.mark.numerics
 
 NEW_TOKENS = 64
 CHUNK = 8
-
-
-class Release:
-    """A tiny release on disk, loaded by dspark_fn and by mlx-vlm."""
-
-    def __init__(self, root, family: str):
-        from mlx_vlm import load
-
-        self.family, self.root = family, root
-        self.described = write_pair(root, family)
-        self.params = dspark_fn.load(root / "target", root / "draft")
-        self.tokenizer = load_tokenizer(root / "target")
-        self.model, self.processor = load(str(root / "target"))
-        self.processor.tokenizer.stopping_criteria = lambda token: False  # every reference runs its whole budget
-
-    def text(self, words: str, images: int) -> str:
-        return chat_text(self.tokenizer, words, images)
-
-    def inputs(self, text: str, images: list) -> dict:
-        from mlx_vlm.utils import prepare_inputs, should_add_special_tokens
-
-        add = should_add_special_tokens(self.model.config.model_type, self.processor)
-        return dict(prepare_inputs(self.processor, images=images or None, prompts=[text], add_special_tokens=add))
-
-    def reference(self, text: str, images: list, taps: tuple):
-        """mlx-vlm's logits ``[L, V]`` and tapped layer outputs ``[L, F]`` over
-        the whole prompt, as its ``generate`` prefills it (one call)."""
-        from mlx_vlm.models.cache import make_prompt_cache
-
-        inputs = self.inputs(text, images)
-        ids, pixels, mask = inputs.pop("input_ids"), inputs.pop("pixel_values", None), inputs.pop("attention_mask")
-        embedded = self.model.get_input_embeddings(ids, pixels, mask=mask, **inputs)
-        extra = {k: v for k, v in embedded.to_dict().items() if k != "inputs_embeds" and v is not None}
-        cache = make_prompt_cache(self.model.language_model)
-        out = self.model.language_model(ids, inputs_embeds=embedded.inputs_embeds, cache=cache,
-                                        capture_layer_ids=list(taps), **inputs, **extra)
-        features = np.concatenate([np.array(h[0]) for h in out.hidden_states], axis=-1)
-        return np.array(out.logits[0]), features
-
-    def greedy(self, text: str, images: list, tokens: int) -> list:
-        """mlx-vlm's ``generate``, greedy, without speculation."""
-        from mlx_vlm.generate import stream_generate
-
-        results = list(stream_generate(self.model, self.processor, text, image=images or None, max_tokens=tokens,
-                                       temperature=0.0))
-        return results[-1].token_ids
-
-    def budget(self) -> dict:
-        text = self.described["config"]["text_config"]
-        return dict(layers=text["num_hidden_layers"], reduction=2 * text["intermediate_size"])
 
 
 @pytest.fixture(scope="module", params=sorted(RELEASES))
