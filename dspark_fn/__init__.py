@@ -33,7 +33,8 @@ _EXPORTS = {
     "TARGET_REGISTRY": "targets", "TargetAdapter": "interfaces", "register_target": "targets",
     "resolve_target": "targets",
     "Copies": "types", "DraftBlock": "types", "Event": "types", "PairSpec": "types", "Params": "types",
-    "Proposal": "types", "Round": "types", "Step": "types",
+    "Proposal": "types", "Round": "types", "Step": "types", "ImagePrompt": "types",
+    "image_prompt": "vision",
 }
 
 
@@ -56,6 +57,7 @@ __all__ = [
     "DraftArch",
     "Event",
     "GREEDY",
+    "ImagePrompt",
     "PairSpec",
     "Params",
     "Proposal",
@@ -69,6 +71,7 @@ __all__ = [
     "capacity_for",
     "generate",
     "grow_cache",
+    "image_prompt",
     "init_cache",
     "insert",
     "load",

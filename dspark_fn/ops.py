@@ -50,6 +50,21 @@ def quantization(p: dict, columns: int) -> Quantization:
     )
 
 
+def quantize_as_stored(model, flat: dict) -> None:
+    """Make each module of the ``mlx.nn`` ``model`` that ``flat`` (its
+    tensors by dotted name) stores quantized into its quantized module, with
+    the group size and bits its arrays say (mixed layouts included)."""
+    import mlx.nn as nn
+
+    def stored(path: str, module) -> dict | bool:
+        if not hasattr(module, "to_quantized") or f"{path}.scales" not in flat:
+            return False
+        parts = {name: flat[f"{path}.{name}"] for name in ("weight", "scales", "biases") if f"{path}.{name}" in flat}
+        return quantization(parts, module.weight.shape[-1]).kwargs()
+
+    nn.quantize(model, class_predicate=stored)
+
+
 def linear(p: dict, x: mx.array) -> mx.array:
     """``x @ W.T (+ b)`` for a dense or an MLX-quantized weight; a rank's
     share of a tensor-parallel weight is summed or gathered over the ranks."""

@@ -38,10 +38,16 @@ def image_families() -> dict:
             for release in adapter.releases if release.images is not None}
 
 
+# Targets whose releases mlx-vlm has a vision side for, but whose forward takes no image features yet.
+UNWIRED = {"deepseek_v4": "mlx-vlm 0.7.10 reads DeepSeek-V4's images (its own image metadata), but this target "
+                          "takes no image features yet"}
+
+
 def refusal(model_type: str) -> str:
     """Why a target of ``model_type`` takes no images, naming those that do."""
     takes = ", ".join(sorted(image_families()))
-    return (f"this target ({model_type}) takes no images: images go to a multimodal release whose vision "
+    why = f" ({UNWIRED[model_type]})" if model_type in UNWIRED else ""
+    return (f"this target ({model_type}) takes no images{why}: images go to a multimodal release whose vision "
             f"side mlx-vlm has ({takes}); send text only, or load such a release")
 
 
@@ -115,7 +121,7 @@ def tower_model(directory: Path, release, config: dict, dtype=None):
     towers = [sub for sub in model.children().values() if isinstance(sub, getattr(module, "VisionModel", ()))]
     for tower in towers:  # as mlx-vlm's loader does: the tower's own layout fixes (conv kernels)
         weights = tower.sanitize(weights) if hasattr(tower, "sanitize") else weights
-    quantize_stored(model, weights)
+    ops.quantize_as_stored(model, weights)
     expected = {f"{name}.{key}" for name in release.images.modules
                 for key, _ in tree_flatten(getattr(model, name).parameters())}
     missing = sorted(expected - set(weights))
@@ -134,20 +140,6 @@ def vlm_config(config: dict) -> tuple:
     settings = {"text_config": {}, "vision_config": {}, **config}
     return module, update_module_configs(module.ModelConfig.from_dict(settings), module, settings,
                                          ["text", "vision", "projector"])
-
-
-def quantize_stored(model, weights: dict) -> None:
-    """mlx-vlm's modules made quantized where the checkpoint stores them so
-    (the group size and bits each tensor's shapes say)."""
-    import mlx.nn as nn
-
-    def stored(path: str, module) -> dict | bool:
-        if not hasattr(module, "to_quantized") or f"{path}.scales" not in weights:
-            return False
-        parts = {name: weights[f"{path}.{name}"] for name in ("weight", "scales", "biases") if f"{path}.{name}" in weights}
-        return ops.quantization(parts, module.weight.shape[-1]).kwargs()
-
-    nn.quantize(model, class_predicate=stored)
 
 
 def release_processor(directory: Path, config: dict):

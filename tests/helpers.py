@@ -189,7 +189,7 @@ def right_prefix(proposal: list, truth: list) -> int:
 
 
 def drive_proposals(model, params, vocab: int, prompts: list, kind: str, new_tokens: int, shift: int = 1,
-                    truths: list | None = None):
+                    truths: list | None = None, capacity: int = 512):
     """Verify proposals of ``kind`` in rounds over a batch of ``prompts`` (row
     ``b`` uses round ``r + shift * b``, so rows accept different counts);
     checks every round keeps exactly each row's right prefix until the row has
@@ -199,7 +199,7 @@ def drive_proposals(model, params, vocab: int, prompts: list, kind: str, new_tok
     width = params.spec.block_size + 1
     if truths is None:
         truths = [mlx_lm_greedy(model, prompt, new_tokens + width) for prompt in prompts]
-    cache, anchors = dspark_fn.prefill(params, dspark_fn.init_cache(params, len(prompts), 512), prompts)
+    cache, anchors = dspark_fn.prefill(params, dspark_fn.init_cache(params, len(prompts), capacity), prompts)
     streams, r = [[t] for t in anchors.tolist()], 0
     while min(len(s) for s in streams) < new_tokens:
         running = [len(s) < new_tokens for s in streams]

@@ -161,7 +161,31 @@ def lfm2_vl_release() -> dict:
     }
 
 
-RELEASES = {"gemma4": gemma4_release, "qwen3_5": qwen3_5_release, "lfm2-vl": lfm2_vl_release}
+def gemma4_per_layer_release() -> dict:
+    """A small Gemma 4 (E2B/E4B-like): per-layer token inputs, which read the pad token at image positions."""
+    release = gemma4_release()
+    release["config"]["text_config"] |= {"hidden_size_per_layer_input": 16}
+    return release
+
+
+def gemma4_unified_release() -> dict:
+    """Gemma 4 as the 12B ships (``Gemma4UnifiedForConditionalGeneration``): no
+    vision encoder, a patch embedder (48 x 48 pixel patches with 2-D position
+    embeddings) and the projector. mlx-vlm builds this release's image
+    processor with its defaults whatever the checkpoint says (up to 280
+    soft tokens an image), so the patch geometry here is the release's."""
+    release = gemma4_release()
+    text = dict(release["config"]["text_config"], model_type="gemma4_unified_text")
+    vision = {"model_type": "gemma4_unified_vision", "mm_embed_dim": 32, "mm_posemb_size": 64,
+              "output_proj_dims": 32, "rms_norm_eps": 1e-6}
+    release["config"] |= {"architectures": ["Gemma4UnifiedForConditionalGeneration"], "model_type": "gemma4_unified",
+                          "text_config": text, "vision_config": vision}
+    release["processor"] = {"processor_config.json": {}}
+    return release
+
+
+RELEASES = {"gemma4": gemma4_release, "gemma4-per-layer": gemma4_per_layer_release,
+            "gemma4_unified": gemma4_unified_release, "qwen3_5": qwen3_5_release, "lfm2-vl": lfm2_vl_release}
 
 
 def published_name(family: str, key: str, value: mx.array) -> tuple[str, mx.array]:

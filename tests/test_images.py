@@ -1,5 +1,6 @@
-"""Images in, DSpark out: each family that takes images (``multimodal.RELEASES``:
-Gemma 4, Qwen3.5, LFM2-VL) on a tiny random release in the published
+"""Images in, DSpark out: each release that takes images (``multimodal.RELEASES``:
+Gemma 4 with a vision encoder, with per-layer inputs, and unified (the
+12B's patch embedder); Qwen3.5; LFM2-VL) on a tiny random release in the published
 layout, against mlx-vlm's own model of the same checkpoint, the same image
 and the same prompt.
 
@@ -29,7 +30,9 @@ Breaks tried (each restored after), and what caught them:
 - Qwen's 3-D offsets dropped, or the height and width axes swapped in
   ``frequency_axes``: test_image_prefill[qwen3_5];
 - image features left out (the image token's own embedding kept): the
-  prefill and greedy tests [lfm2-vl].
+  prefill and greedy tests [lfm2-vl];
+- Gemma's per-layer inputs reading the image token's own row instead of the
+  pad token's: the prefill and greedy tests [gemma4-per-layer].
 """
 
 import io
@@ -74,7 +77,7 @@ def chunked_prefill(params, prompt, taps: tuple):
     padded = -(-length // CHUNK) * CHUNK
     rows = image_rows(params, [prompt], np.array([0]), padded)
     tokens = mx.array([list(prompt.tokens) + [0] * (padded - length)])
-    kv = adapter.init_kv(spec.target, 1, 64)
+    kv = adapter.init_kv(spec.target, 1, padded)
     logits, features, plan = [], [], chunk_spans(padded, (CHUNK,), rows.whole)
     for begin, size in plan:
         chunk, start, images = tokens[:, begin : begin + size], mx.array([begin]), rows.chunk(begin, size)
@@ -102,7 +105,7 @@ def test_image_prefill_matches_mlx_vlm(release):
     assert_fp32_close(features, expected_features, "prefill taps", **release.budget())
     ends = {begin + size for begin, size in plan}
     assert not any(first < end < stop for first, stop in whole for end in ends)
-    if release.family == "gemma4":
+    if release.family.startswith("gemma4"):
         assert whole and any(size > CHUNK for _, size in plan)  # the 15-token image stretched its chunk
 
 
@@ -116,10 +119,10 @@ def test_draft_context_covers_image_positions(release):
     text = release.text("Describe it.", 1)
     prompt = image_prompt(params, text, [IMAGE])
     length = len(prompt.tokens)
-    cache, first = dspark_fn.prefill(params, dspark_fn.init_cache(params, 1, 256), [prompt])
+    cache, first = dspark_fn.prefill(params, dspark_fn.init_cache(params, 1, 512), [prompt])
     logits, features = release.reference(text, [IMAGE], spec.taps)
     assert first.tolist() == [int(np.argmax(logits[-1]))]
-    context = spec.draft_arch.init_context(spec.draft, 1, 256)
+    context = spec.draft_arch.init_context(spec.draft, 1, 512)
     expected = spec.draft_arch.extend_context(spec.draft, params.draft, context, mx.array(features)[None],
                                               mx.array([0]))
     image_slots = mx.array(prompt.image_slots())
@@ -154,7 +157,7 @@ def test_a_batch_of_image_and_text_rows_equals_each_row(release):
     prompts = [image_prompt(release.params, text, images) if images
                else np.array(release.inputs(text, [])["input_ids"])[0].tolist() for text, images in cases]
     vocab = release.params.spec.target.vocab_size
-    drive_proposals(None, release.params, vocab, prompts, "partly-right", 48, shift=2, truths=truths)
+    drive_proposals(None, release.params, vocab, prompts, "partly-right", 48, shift=2, truths=truths, capacity=1024)
 
 
 # ---- the driver and the command line
@@ -205,7 +208,7 @@ def test_a_cached_image_prefix_is_not_encoded_again(release):
     encoded again, and it decodes as the whole prompt would."""
     params, vision = release.params, release.params.vision
     first = image_prompt(params, release.text("Tell me about it.", 1), [IMAGE])
-    cached, _ = dspark_fn.prefill(params, dspark_fn.init_cache(params, 1, 256), [first])
+    cached, _ = dspark_fn.prefill(params, dspark_fn.init_cache(params, 1, 512), [first])
     later = image_prompt(params, release.text("Tell me about it.", 1) + "Then", [IMAGE])
     assert later.tokens[: len(first)] == first.tokens
     alone = speculative_tokens(params, [later], 16)
@@ -226,7 +229,7 @@ def test_rounds_compile_once_whatever_the_image_sizes(release):
     """Images of other sizes (other numbers of image tokens) enter through the
     prefill only: the round kernels do not trace again."""
     text = release.text("What is it?", 1)
-    run = lambda prompt: speculative_tokens(release.params, [prompt], 24, width=None, capacity=256)  # noqa: E731
+    run = lambda prompt: speculative_tokens(release.params, [prompt], 24, width=None, capacity=1024)  # noqa: E731
     run(image_prompt(release.params, text, [IMAGE]))
     again = traces_during(lambda: [run(image_prompt(release.params, release.text("And this?", n), images))
                                    for n, images in ((1, [OTHER]), (2, [OTHER, synthetic_image(32, 32, 3)]))])
