@@ -23,7 +23,7 @@ from .cache import Cache
 from .interfaces import ImageInputs
 from .kernel import compiled
 from .rng import row_seeds, uniforms
-from .sampling import GREEDY, Mode, RowSampling, batch_sampling, choose, token_log_probs
+from .sampling import GREEDY, Mode, RowSampling, allowed_tokens, batch_sampling, choose, mask_bits, token_log_probs
 from .targets import activation_dtype
 from .types import ImagePrompt, PairSpec, Params, TokenLogProbs, prompt_key
 
@@ -128,7 +128,7 @@ def prefill_slots(prompt_length: int) -> int:
 
 
 def prefill(params: Params, cache: Cache, prompt, *, sampling=GREEDY, chunk_size: int | None = None,
-            grow: bool = False, top_log_probs: int | None = None):
+            grow: bool = False, top_log_probs: int | None = None, masks=None):
     """Run the prompt(s) through the target in fixed chunks and extend the draft context.
 
     ``prompt`` is a token list, a list of token lists (one per batch row, any
@@ -148,11 +148,13 @@ def prefill(params: Params, cache: Cache, prompt, *, sampling=GREEDY, chunk_size
     prompt compiles one chunk kernel per bucket it passes); without, the
     prompt must fit the cache. With ``top_log_probs`` (K) it returns
     ``(cache, tokens, TokenLogProbs)``: the first tokens' log-probabilities
-    and the target's K most likely first tokens.
+    and the target's K most likely first tokens. ``masks`` (bits ``[B,
+    ceil(V/32)]``, default all ones) constrain each row's first token to
+    what its grammar allows at the start (``constraints.next_masks``).
     """
     rows = as_rows(prompt)
     state, last_logits, _ = _run_prompts(params, cache, rows, chunk_size=chunk_size, grow=grow)
-    return _first_tokens(params, cache, state, last_logits, rows, sampling, top_log_probs)
+    return _first_tokens(params, cache, state, last_logits, rows, sampling, top_log_probs, masks)
 
 
 def score_prompt(params: Params, cache: Cache, prompt, *, top: int = 1, sampling=GREEDY, grow: bool = False):
@@ -281,19 +283,22 @@ def image_rows(params: Params, rows: list, starts: np.ndarray, length: int) -> I
                      tuple(sorted(whole)))
 
 
-def _first_tokens(params: Params, cache: Cache, state: Cache, last_logits, rows: list, sampling, top: int | None):
-    """Each row's first generated token from its last prompt logits (and their scores with ``top``)."""
+def _first_tokens(params: Params, cache: Cache, state: Cache, last_logits, rows: list, sampling, top: int | None,
+                  masks=None):
+    """Each row's first generated token from its last prompt logits, among
+    those its ``masks`` allow (and their scores with ``top``)."""
     settings = batch_sampling(sampling, len(rows))
     vocab = params.spec.target.vocab_size
     draws = uniforms(cache.seeds, state.length, rng.PREFILL, (vocab,)) if settings.mode.sampled else None
-    state, tokens = state._replace(seeds=cache.seeds), choose(last_logits, *settings, draws)
+    allowed = None if masks is None else allowed_tokens(mask_bits(masks, (len(rows),), vocab), vocab)
+    state, tokens = state._replace(seeds=cache.seeds), choose(last_logits, *settings, draws, allowed)
     if top is None:
         return state, tokens
-    return state, tokens, TokenLogProbs(*token_log_probs(last_logits, tokens, *settings, top))
+    return state, tokens, TokenLogProbs(*token_log_probs(last_logits, tokens, *settings, top, allowed))
 
 
 def insert(params: Params, cache: Cache, rows: Sequence[int], prompts, *, sampling=GREEDY, seeds: Sequence[int] = (),
-           prefix: Cache | None = None, grow: bool = False, top_log_probs: int | None = None):
+           prefix: Cache | None = None, grow: bool = False, top_log_probs: int | None = None, masks=None):
     """Prefill new prompts into rows ``rows`` of a running batch, together in
     one batch of their own; the other rows are untouched. Row ``rows[i]``
     draws with seed ``seeds[i]`` (default 0). ``prefix`` (a one-row cache
@@ -302,7 +307,8 @@ def insert(params: Params, cache: Cache, rows: Sequence[int], prompts, *, sampli
     new rows prefill in a cache of their own size (see ``prefill``) and the
     batch grows if they need more room; without, they must fit the batch's
     capacity. Returns ``(cache, first tokens)`` (and their ``TokenLogProbs``
-    with ``top_log_probs``, as ``prefill``)."""
+    with ``top_log_probs``, as ``prefill``); ``masks`` (bits ``[len(rows),
+    ceil(V/32)]``) constrain the first tokens, as in ``prefill``."""
     prompts = [p if isinstance(p, ImagePrompt) else list(p) for p in prompts]
     check_rows(list(rows), len(prompts), cache.batch_size)
     seeds = list(seeds) or [0] * len(rows)
@@ -312,6 +318,7 @@ def insert(params: Params, cache: Cache, rows: Sequence[int], prompts, *, sampli
     part = part._replace(seeds=mx.concatenate([row_seeds(seed, 1) for seed in seeds]))
     starts = np.array(part.length)
     rest = [p.after(int(start)) if isinstance(p, ImagePrompt) else p[start:] for p, start in zip(prompts, starts)]
-    part, tokens, *scored = prefill(params, part, rest, sampling=sampling, grow=grow, top_log_probs=top_log_probs)
+    part, tokens, *scored = prefill(params, part, rest, sampling=sampling, grow=grow, top_log_probs=top_log_probs,
+                                    masks=masks)
     capacity = max(cache.capacity, part.capacity)
     return (place_rows(grow_cache(params, cache, capacity), rows, grow_cache(params, part, capacity)), tokens, *scored)
