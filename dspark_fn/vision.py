@@ -61,6 +61,7 @@ class Vision:
     release: object  # interfaces.Release
     config: dict
     dtype: object = None  # the towers' compute dtype (None: as stored)
+    problem: str | None = None  # why it cannot read images (towers missing from the checkpoint), found at load
     encoded: int = 0  # images run through the towers so far
     _model: object = field(default=None, repr=False)
     _processor: object = field(default=None, repr=False)
@@ -100,14 +101,36 @@ def load_vision(directory, config: dict | None = None, dtype=None) -> Vision | N
     release = TARGET_REGISTRY.release(config.get("model_type"))
     if release is None or release.images is None or "text_config" not in config:
         return None
-    return Vision(directory, release, config, dtype)
+    return Vision(directory, release, config, dtype, problem=vision_problem(directory, release, config))
+
+
+def vision_problem(directory: Path, release, config: dict) -> str | None:
+    """Why the release cannot read images (None: it can), found from tensor
+    names alone; a text run never depends on it."""
+    try:
+        _, weights, expected = towers_of(directory, release, config)  # nothing is read from disk
+    except Exception as error:  # mlx-vlm cannot build this release's model: its text model still runs
+        return f"{directory}: mlx-vlm cannot build this release's vision side ({type(error).__name__}: {error})"
+    missing = sorted(expected - set(weights))
+    return lacking(directory, missing) if missing else None
 
 
 def tower_model(directory: Path, release, config: dict, dtype=None):
     """mlx-vlm's model of the release with the towers' weights loaded (read
     lazily: when the first image is encoded) and no language model: the text
-    model is the target's. A checkpoint that lacks a tensor the image path
-    reads is refused, naming it."""
+    model is the target's."""
+    model, weights, expected = towers_of(directory, release, config, dtype)
+    missing = sorted(expected - set(weights))
+    if missing:
+        raise ValueError(lacking(directory, missing))
+    model.load_weights([(key, value) for key, value in weights.items() if key in expected], strict=False)
+    return model
+
+
+def towers_of(directory: Path, release, config: dict, dtype=None) -> tuple:
+    """``(mlx-vlm's model of the release without its language model, the
+    checkpoint's tower tensors under its names, the names the image path
+    reads)``; nothing is read from disk until evaluated."""
     import mlx.nn as nn
     from mlx.utils import tree_flatten
 
@@ -124,12 +147,12 @@ def tower_model(directory: Path, release, config: dict, dtype=None):
     ops.quantize_as_stored(model, weights)
     expected = {f"{name}.{key}" for name in release.images.modules
                 for key, _ in tree_flatten(getattr(model, name).parameters())}
-    missing = sorted(expected - set(weights))
-    if missing:
-        raise ValueError(f"{directory}: the release checkpoint lacks {len(missing)} tensors of its vision side "
-                         f"({', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}); it cannot read images")
-    model.load_weights([(key, value) for key, value in weights.items() if key in expected], strict=False)
-    return model
+    return model, weights, expected
+
+
+def lacking(directory: Path, missing: list) -> str:
+    return (f"{directory}: the release checkpoint lacks {len(missing)} tensors of its vision side "
+            f"({', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}), so it cannot read images")
 
 
 def vlm_config(config: dict) -> tuple:
@@ -139,7 +162,7 @@ def vlm_config(config: dict) -> tuple:
     module, _ = get_model_and_args(dict(config))
     settings = {"text_config": {}, "vision_config": {}, **config}
     return module, update_module_configs(module.ModelConfig.from_dict(settings), module, settings,
-                                         ["text", "vision", "projector"])
+                                         ["text", "vision", "perceiver", "projector", "audio"])
 
 
 def release_processor(directory: Path, config: dict):
@@ -217,6 +240,8 @@ def image_prompt(params, text: str, images: list, *, max_pixels: int = MAX_IMAGE
     vision = params.vision
     if vision is None:
         raise ValueError(refusal(params.spec.target.model_type))
+    if vision.problem is not None:
+        raise ValueError(vision.problem)
     pictures = [read_image(source, index, max_pixels) for index, source in enumerate(images)]
     processor = vision.processor
     mark = placeholder(processor)

@@ -50,7 +50,7 @@ from dspark_fn.prefilling import chunk_spans, image_rows
 from dspark_fn.vision import image_prompt, read_image
 from dspark_fn.kernel import TRACE_COUNTS
 from helpers import PROPOSALS, build_pair, drive_proposals, speculative_tokens
-from multimodal import RELEASES, Release, chat_text, synthetic_image
+from multimodal import RELEASES, Release, chat_text, synthetic_image, write_pair
 from numerics import assert_fp32_close
 
 pytestmark = pytest.mark.numerics
@@ -305,6 +305,18 @@ def test_images_to_a_text_target_are_refused(tmp_path):
     with pytest.raises(ValueError, match=r"this target \(qwen3\) takes no images.*gemma4.*lfm2-vl.*qwen3_5"):
         image_prompt(params, "look: <image>", [IMAGE])
     assert {"gemma4", "gemma4_unified", "qwen3_5", "qwen3_5_moe", "lfm2-vl"} == set(image_families())
+
+
+def test_a_release_without_its_tower_tensors_is_refused_before_it_runs(tmp_path):
+    """Found when the release loads, told when an image comes (not in the middle of a prefill)."""
+    write_pair(tmp_path, "qwen3_5")
+    path = tmp_path / "target" / "model.safetensors"
+    weights = mx.load(str(path))
+    del weights["model.visual.blocks.0.attn.qkv.weight"]
+    mx.save_safetensors(str(path), weights)
+    params = dspark_fn.load(tmp_path / "target", tmp_path / "draft")
+    with pytest.raises(ValueError, match=r"lacks 1 tensors of its vision side \(vision_tower.blocks.0.attn.qkv"):
+        image_prompt(params, chat_text(load_tokenizer(tmp_path / "target"), "Hi", 1), [IMAGE])
 
 
 def test_placeholders_and_context_are_checked(release):
