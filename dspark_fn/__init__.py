@@ -20,7 +20,7 @@ from importlib import import_module
 _EXPORTS = {
     "Cache": "cache",
     "load": "checkpoints", "load_draft": "checkpoints", "load_target": "checkpoints",
-    "verify_policy": "costs",
+    "measured_costs": "costs",
     "ARCH_REGISTRY": "drafts", "DraftArch": "interfaces", "register_arch": "drafts", "resolve_arch": "drafts",
     "Decoder": "driver", "generate": "driver",
     "capacity_for": "buffers", "grow_cache": "buffers", "init_cache": "buffers",
@@ -29,11 +29,11 @@ _EXPORTS = {
     "verify_and_commit": "rounds", "verify_block": "rounds",
     "TRACE_COUNTS": "kernel",
     "GREEDY": "sampling", "Sampling": "sampling",
-    "CostCurve": "schedule", "VerifyPolicy": "schedule",
+    "CostCurve": "schedule", "Planner": "schedule",
     "TARGET_REGISTRY": "targets", "TargetAdapter": "interfaces", "register_target": "targets",
     "resolve_target": "targets",
-    "Copies": "types", "DraftBlock": "types", "Event": "types", "PairSpec": "types", "Params": "types",
-    "Proposal": "types", "Round": "types", "Step": "types", "ImagePrompt": "types",
+    "Copies": "types", "DraftBlock": "types", "Ended": "types", "Event": "types", "PairSpec": "types",
+    "Params": "types", "Proposal": "types", "Round": "types", "Step": "types", "ImagePrompt": "types",
     "image_prompt": "vision",
 }
 
@@ -55,6 +55,7 @@ __all__ = [
     "CostCurve",
     "Decoder",
     "DraftArch",
+    "Ended",
     "Event",
     "GREEDY",
     "ImagePrompt",
@@ -66,7 +67,7 @@ __all__ = [
     "Step",
     "TRACE_COUNTS",
     "TargetAdapter",
-    "VerifyPolicy",
+    "Planner",
     "draft_block",
     "capacity_for",
     "generate",
@@ -88,5 +89,5 @@ __all__ = [
     "verify",
     "verify_and_commit",
     "verify_block",
-    "verify_policy",
+    "measured_costs",
 ]

@@ -31,15 +31,16 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--verify", type=parse_verify, default="auto",
-                        help="verify width N (anchor + N-1 drafts, every round) or 'auto' (default: draft only "
-                        "when measured acceptance and costs say it pays, then pick the width from the confidences)")
+    parser.add_argument("--width", "--verify", type=parse_width, default="auto",
+                        help="the verify width: N (anchor + N-1 drafts, every round) or 'auto' (default: draft only "
+                        "when measured acceptance and costs say it pays, then pick the width from the confidences); "
+                        "--verify is its former name")
     parser.add_argument("--confidence-threshold", type=float, default=0.0,
                         help="end each proposal at the first draft slot with a lower confidence (0: off)")
     parser.add_argument("--proposals", choices=("auto", "draft", "copy"), default="auto",
                         help="where proposals come from: the DSpark draft, copies of earlier stretches of the "
-                        "context (no draft pass), or 'auto' (default: with --verify auto, per row and round, "
-                        "whichever the measured acceptance and costs favour; a fixed --verify N drafts every round)")
+                        "context (no draft pass), or 'auto' (default: with --width auto, per sequence and round, "
+                        "whichever the measured acceptance and costs favour; a fixed --width N drafts every round)")
 
 
 def add_chat_arguments(parser: argparse.ArgumentParser) -> None:
@@ -120,18 +121,18 @@ def image_prompt_list(args, params, tokenizer) -> list:
     return [image_prompt(params, text, args.image)]
 
 
-def parse_verify(text: str):
+def parse_width(text: str):
     if text == "auto":
         return text
     try:
         return int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--verify wants a width (an integer) or 'auto', got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"--width wants a width (an integer) or 'auto', got {text!r}") from None
 
 
 def verify_options(args) -> dict:
     """``generate`` keywords from the verification flags."""
-    return dict(width=args.verify, confidence_threshold=args.confidence_threshold, proposals=args.proposals)
+    return dict(width=args.width, confidence_threshold=args.confidence_threshold, proposals=args.proposals)
 
 
 def decoding_options(args) -> dict:
@@ -182,6 +183,15 @@ def warm_up(events) -> None:
     events.close()
 
 
+def sequence_report(events: list) -> dict:
+    """One sequence's tokens, rounds, tau and sources, from its events."""
+    tally = Tally.of(events)
+    rounds = [{"drafted": e.drafted, "accepted": e.accepted, "emitted": e.emitted, "source": e.source}
+              for e in events if e.kind == "round"]
+    return {"tokens": [t for e in events for t in e.emitted], "rounds": rounds, "tau": tally.tau,
+            "sources": tally.sources()}
+
+
 def run_generate(args) -> int:
     from .driver import generate
     from .kernel import TRACE_COUNTS
@@ -195,8 +205,7 @@ def run_generate(args) -> int:
         raise SystemExit("dspark: --compare takes a single prompt")
     stop = stop_ids(tokenizer)
     stream = TextStream(tokenizer, stop) if not args.json and len(prompts) == 1 else None
-    tokens, rounds = [[] for _ in prompts], [[] for _ in prompts]
-    acceptance, overall = [Tally() for _ in prompts], Tally()
+    sequences, overall = {index: [] for index in range(len(prompts))}, Tally()  # the prompt's index -> its events
     if args.compare:
         warm_up(generate(params, prompts, args.max_tokens, stop_tokens=stop, **decoding_options(args)))
     clock = DecodeClock(lambda: sum(TRACE_COUNTS.values()))
@@ -204,23 +213,16 @@ def run_generate(args) -> int:
     try:
         events = generate(params, prompts, args.max_tokens, stop_tokens=stop, **decoding_options(args))
         for event in clock.watch(events):
-            row = event.row
-            tokens[row] += event.emitted
-            if event.kind == "round":
-                rounds[row].append({"drafted": event.drafted, "accepted": event.accepted, "emitted": event.emitted,
-                                    "source": event.source})
-            for stats in (acceptance[row], overall):
-                stats.count(event)
+            sequences[event.tag].append(event)
+            overall.count(event)
             if stream:
                 stream.add(event.emitted)
     except KeyboardInterrupt:
         print("\ndspark: interrupted", file=sys.stderr)
     elapsed = time.perf_counter() - start
-    reports = [
-        {"tokens": row_tokens, "rounds": row_rounds, "tau": stats.tau, "sources": stats.sources(),
-         "tokens_per_s": clock.tokens_per_s, "seconds": elapsed}
-        for row_tokens, row_rounds, stats in zip(tokens, rounds, acceptance)
-    ]
+    reports = [sequence_report(sequences[index]) | {"tokens_per_s": clock.tokens_per_s, "seconds": elapsed}
+               for index in range(len(prompts))]
+    tokens = [report["tokens"] for report in reports]
     if args.json:
         report = reports[0] if len(prompts) == 1 else {"batch": reports}
         group = world_group()
@@ -233,11 +235,11 @@ def run_generate(args) -> int:
     if stream:
         stream.close()
     else:
-        for index, row_tokens in enumerate(tokens):
+        for index, sequence_tokens in enumerate(tokens):
             print(f"[prompt {index + 1}]")
-            batch_row = TextStream(tokenizer, stop)
-            batch_row.add(row_tokens)
-            batch_row.close()
+            text = TextStream(tokenizer, stop)
+            text.add(sequence_tokens)
+            text.close()
     produced = sum(len(t) for t in tokens)
     print(
         f"[{produced} tokens in {elapsed:.1f} s, tau {overall.tau:.2f}, acceptance {overall.acceptance_rate:.0%}; "

@@ -101,8 +101,9 @@ def verify_and_commit(params: Params, cache: Cache, block: mx.array, draft_log_p
     only the anchor and the accepted drafts, which is the whole rollback
     (recurrent layers settle on the state after those same tokens).
     ``limit [B]`` caps each row's accepted drafts; ``active [B]`` rows that
-    are False commit nothing; ``allowed [B, W, V]`` (default all) constrains
-    each position's target distribution. Returns ``(cache, verdict, target
+    are False commit nothing (a recurrent state settles on the one before
+    the call); ``allowed [B, W, V]`` (default all) constrains each
+    position's target distribution. Returns ``(cache, verdict, target
     logits [B, W, V])`` (the logits before the constraint).
     """
     spec = params.spec

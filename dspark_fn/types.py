@@ -1,5 +1,6 @@
 """The records every layer above the model math passes around: the pair's static
-description and parameters, a round's proposal and result, the driver's events.
+description and parameters, a round's proposal and result, the driver's steps,
+events and ended sequences.
 
 Shape letters (used in docstrings across the package): B batch rows, L tokens
 in a forward, C cache capacity (slots), W verify width (anchor + drafts), G
@@ -8,12 +9,16 @@ features (taps x d), H / H_kv query / key-value heads, D head dim, K top-K.
 """
 
 from dataclasses import dataclass, replace
-from typing import Any, Callable, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, Hashable, NamedTuple
 
 import mlx.core as mx
 import numpy as np
 
 from .interfaces import DraftArch, TargetAdapter
+
+if TYPE_CHECKING:  # for annotations only: importing the records loads nothing more
+    from .cache import Cache
+    from .stats import Tally
 
 
 @dataclass(frozen=True)
@@ -185,41 +190,60 @@ class Round(NamedTuple):
 
 
 class Event(NamedTuple):
-    """What one row got from one step of a ``Decoder`` (``kind`` "prefill" or "round")."""
+    """What one sequence got from one step of a ``Decoder`` (``kind`` "prefill" or "round")."""
 
     kind: str
     emitted: list  # its new tokens, cut at its stop token (kept) and its budget
     accepted: int
     drafted: list  # the proposals it verified
-    row: int = 0
+    tag: Hashable = None  # the sequence's tag (given to ``Decoder.insert``; ``generate``: the prompt's index)
     width: int = 0  # verify width of the round (shared by the batch; 0 for a prefill)
-    source: str = ""  # what the row verified: "draft", "copy", or "" (nothing: a plain target step)
-    finish: str | None = None  # "stop" (its stop token) or "length" (its budget) when the row ended here
-    log_probs: list | None = None  # a TokenScore per emitted token, when the row asked
+    source: str = ""  # what it verified: "draft", "copy", or "" (nothing: a plain target step)
+    finish: str | None = None  # "stop" (its stop token) or "length" (its budget) when the sequence ended here
+    log_probs: list | None = None  # a TokenScore per emitted token, when the sequence asked
+
+
+class Ended(NamedTuple):
+    """A sequence that ended, as the ``Decoder`` gives it back before freeing its row."""
+
+    tag: Hashable
+    prompt: list  # its ids (an image prompt's image tokens paired with their image's hash: ``prompt_key``)
+    tokens: list  # every token it emitted (cut at its stop token and budget)
+    finish: str  # "stop", "length" or "cancelled" (``Decoder.release``)
+    tally: "Tally"  # its rounds' acceptance
+    cache: "Cache | None"  # one row holding the first ``cache.length`` tokens of ``context`` (asked with
+    #                      ``keep_cache``; a recurrent state holds exactly those), else None
+
+    @property
+    def context(self) -> list:
+        """The prompt and the emitted tokens."""
+        return self.prompt + self.tokens
 
 
 class Step(NamedTuple):
-    """What one step of a ``Decoder`` (a round, or the prefill of new rows)
-    produced, host-side, for the rows that took part (one entry each)."""
+    """What one step of a ``Decoder`` (a round, or the prefill of new
+    sequences) produced, host-side, for the sequences that took part (one
+    entry each), and the records of those that ended in it."""
 
     kind: str  # "round" or "prefill"
-    rows: list
-    emitted: list  # per row: its new tokens, cut at its stop token (kept) and its budget
+    tags: list
+    emitted: list  # per sequence: its new tokens, cut at its stop token (kept) and its budget
     accepted: list
-    drafted: list  # per row: the proposals it verified
+    drafted: list  # per sequence: the proposals it verified
     width: int
-    sources: list  # per row: "draft", "copy" or "" (see ``Event.source``)
-    finished: list  # per row: "stop", "length" or None (it goes on)
-    log_probs: list | None = None  # per row: a TokenScore per emitted token, or None (not asked)
+    sources: list  # per sequence: "draft", "copy" or "" (see ``Event.source``)
+    finished: list  # per sequence: "stop", "length" or None (it goes on)
+    log_probs: list | None = None  # per sequence: a TokenScore per emitted token, or None (not asked)
+    ended: list = []  # an ``Ended`` per sequence that ended in this step (its row is free again)
 
     def events(self) -> list[Event]:
-        """The step row by row."""
-        scores = self.log_probs or [None] * len(self.rows)
+        """The step sequence by sequence."""
+        scores = self.log_probs or [None] * len(self.tags)
         return [
-            Event(kind=self.kind, emitted=emitted, accepted=accepted, drafted=drafted, row=row, width=self.width,
+            Event(kind=self.kind, emitted=emitted, accepted=accepted, drafted=drafted, tag=tag, width=self.width,
                   source=source, finish=finish, log_probs=score)
-            for row, emitted, accepted, drafted, source, finish, score in zip(
-                self.rows, self.emitted, self.accepted, self.drafted, self.sources, self.finished, scores)
+            for tag, emitted, accepted, drafted, source, finish, score in zip(
+                self.tags, self.emitted, self.accepted, self.drafted, self.sources, self.finished, scores)
         ]
 
 

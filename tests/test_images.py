@@ -177,29 +177,30 @@ def test_generate_batch_of_image_and_text_rows_equals_each_alone(release):
                image_prompt(release.params, texts[2], [IMAGE, OTHER])]
     together = [[] for _ in prompts]
     for event in dspark_fn.generate(release.params, prompts, 40):
-        together[event.row] += event.emitted
+        together[event.tag] += event.emitted
     assert together == [speculative_tokens(release.params, [prompt], 40) for prompt in prompts]
 
 
-def row_tokens(decoder, row: int, step) -> list:
-    """Row ``row``'s tokens from ``step`` on, until it ends."""
-    tokens = sum((event.emitted for event in step.events() if event.row == row), [])
-    while not decoder.rows[row].finish:
-        tokens += sum((event.emitted for event in decoder.step().events() if event.row == row), [])
-    return tokens
+def sequence_tokens(decoder, tag, step) -> list:
+    """Sequence ``tag``'s tokens from ``step`` on, until it ends (its ``Ended`` record's)."""
+    while True:
+        ended = [record for record in step.ended if record.tag == tag]
+        if ended:
+            return ended[0].tokens
+        step = decoder.step()
 
 
 def test_decoder_inserts_an_image_prompt_into_a_running_batch(release):
-    """A text row runs; an image prompt joins it between rounds and decodes as mlx-vlm does."""
+    """A text sequence runs; an image prompt joins it between rounds and decodes as mlx-vlm does."""
     params = release.params
     text = release.text("Tell me about it.", 1)
     decoder = dspark_fn.Decoder(params, 2)
-    decoder.insert([0], [np.array(release.inputs(release.text("Hi.", 0), [])["input_ids"])[0].tolist()],
+    decoder.insert([np.array(release.inputs(release.text("Hi.", 0), [])["input_ids"])[0].tolist()], tags=["text"],
                    max_new_tokens=40)
     for _ in range(3):
         decoder.step()
-    step = decoder.insert([1], [image_prompt(params, text, [IMAGE])], max_new_tokens=30)
-    assert row_tokens(decoder, 1, step) == release.greedy(text, [IMAGE], 30)
+    step = decoder.insert([image_prompt(params, text, [IMAGE])], tags=["image"], max_new_tokens=30)
+    assert sequence_tokens(decoder, "image", step) == release.greedy(text, [IMAGE], 30)
 
 
 def test_a_cached_image_prefix_is_not_encoded_again(release):
@@ -214,9 +215,9 @@ def test_a_cached_image_prefix_is_not_encoded_again(release):
     alone = speculative_tokens(params, [later], 16)
     encoded = vision.encoded
     decoder = dspark_fn.Decoder(params, 1)
-    step = decoder.insert([0], [later], prefix=cached, max_new_tokens=16)
+    step = decoder.insert([later], tags=["later"], prefix=cached, max_new_tokens=16)
     assert vision.encoded == encoded
-    assert row_tokens(decoder, 0, step) == alone
+    assert sequence_tokens(decoder, "later", step) == alone
 
 
 def traces_during(fn) -> dict:

@@ -134,14 +134,14 @@ def sampled_streams(params, sampling: Sampling, seed: int, **kwargs) -> tuple[np
     )
     widths, sources, mixed, previous = set(), set(), 0, SAMPLES
     for event in events:
-        streams[event.row] += event.emitted
+        streams[event.tag] += event.emitted
         widths.add(event.width)
         if event.kind == "round":
-            if event.row <= previous:  # rows come in order within a round
+            if event.tag <= previous:  # generate's tags ascend within a round
                 mixed += {"copy", "draft"} <= sources
                 sources = set()
             sources.add(event.source)
-            previous = event.row
+            previous = event.tag
     outcomes = np.array(streams)
     assert outcomes.shape == (SAMPLES, TOKENS)
     return outcomes, widths - {0}, mixed + ({"copy", "draft"} <= sources)
@@ -418,7 +418,7 @@ def test_rows_with_their_own_settings_share_one_batch(models):
     streams = [[] for _ in per_row]
     for event in dspark_fn.generate(pairs["good"], [PROMPT] * len(per_row), TOKENS, sampling=per_row, seed=9,
                                     capacity=24, width=None):
-        streams[event.row] += event.emitted
+        streams[event.tag] += event.emitted
     outcomes = np.array(streams)
     assert (outcomes[SAMPLES:] == mlx_lm_greedy(model, PROMPT, TOKENS)).all()
     for group, sampling in enumerate(settings):
@@ -464,7 +464,7 @@ def test_an_image_prompt_samples_the_target_law(tmp_path_factory):
     streams = [[] for _ in range(IMAGE_SAMPLES)]
     for event in dspark_fn.generate(release.params, [prompt] * IMAGE_SAMPLES, 3, sampling=IMAGE_SAMPLING, seed=3,
                                     capacity=64, width=None, proposals="draft"):
-        streams[event.row] += event.emitted
+        streams[event.tag] += event.emitted
     law = image_first_three(release, text, [picture])
     outcomes = [tuple(stream) for stream in streams]
     assert set(outcomes) <= set(law), "a token outside the top-k was sampled"

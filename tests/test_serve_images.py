@@ -202,7 +202,7 @@ def test_images_to_a_text_target_are_refused(release):
     class TextEngine:
         max_context, failure, dead = 512, None, False
         params = SimpleNamespace(vision=None, spec=SimpleNamespace(target=SimpleNamespace(model_type="qwen3")))
-        decoder = SimpleNamespace(policy=SimpleNamespace(max_width=1))
+        decoder = SimpleNamespace(planner=SimpleNamespace(max_width=1))
 
         def stats(self):
             return {}
