@@ -33,7 +33,8 @@ from .rounds import no_proposal, propose, undrafted, verify
 from .sampling import GREEDY, Sampling, batch_sampling
 from .schedule import CostCurve, Plan, Planner, Sources
 from .stats import Tally
-from .types import Copies, Ended, Event, Params, Proposal, Round, Step, TokenLogProbs, TokenScore, prompt_ids, prompt_key
+from .types import (Copies, Ended, Event, Params, Proposal, Round, Step, TokenLogProbs, TokenScore, prompt_ids,
+                    prompt_key)
 
 TOP_LOG_PROBS = 20  # the most likely tokens a round scores when a row asks for log-probabilities (OpenAI's limit)
 
