@@ -41,10 +41,10 @@ import numpy as np
 from dspark_fn import generate
 from dspark_fn.catalog import load_named
 from dspark_fn.chat import chat_tokens, stop_tokens
-from dspark_fn.costs import verify_policy
+from dspark_fn.costs import measured_costs
 from dspark_fn.drafts.heads import DRAFT_VOCAB_KEY
 from dspark_fn.drafts.vocab import frequent_tokens
-from dspark_fn.schedule import bucket_for
+from dspark_fn.schedule import Planner, bucket_for
 from report import machine
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -176,9 +176,9 @@ def main() -> None:
     vocab = vocab if vocab is not None else set(range(params.spec.target.vocab_size))
     held_out = {tuple(chat_tokens(tokenizer, text)) for texts in families.values() for text in texts}
     wider = corpus_vocabularies(held_out, params.spec.target.vocab_size, stops)
-    policy = verify_policy(params, "auto", 1)
+    planner = Planner(params.spec.block_size, costs=lambda batch, widths: measured_costs(params, batch, widths))
     print(f"# {machine()}; draft {DRAFT or 'shipped default'} ({len(vocab)}-token vocabulary); {TOKENS} tokens; "
-          f"break-even alpha_1 {break_even_alpha(policy.costs, policy.buckets):.2f}")
+          f"break-even alpha_1 {break_even_alpha(planner.costs, planner.buckets):.2f}")
     rows = []
     for family in FAMILIES:
         totals, coverage, capped = defaultdict(int), defaultdict(int), []

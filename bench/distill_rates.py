@@ -126,10 +126,10 @@ def decode_section(config, adapter, spec, params) -> None:
     for batch in BATCHES:
         rows = prompts[:batch]
         decoder = Decoder(pair, batch, width=1)
-        decoder.insert(list(range(batch)), rows, max_new_tokens=10**6)  # compiles this batch's prefill
+        decoder.insert(rows, max_new_tokens=10**6)  # compiles this batch's prefill
         decoder = Decoder(pair, batch, width=1)
         start = time.perf_counter()
-        decoder.insert(list(range(batch)), rows, max_new_tokens=10**6)
+        decoder.insert(rows, max_new_tokens=10**6)
         prefill = batch * DECODE_PROMPT / (time.perf_counter() - start)
         ours = warm_median_seconds(decoder.step, DECODE_STEPS)
         cache = make_prompt_cache(model)

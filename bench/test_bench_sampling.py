@@ -45,7 +45,7 @@ def dspark_rows(params, prompts, acceptance=None, **options):
     """Every row's tokens and the acceptance over all rounds of one batched run."""
     rows, acceptance = [[] for _ in prompts], acceptance or Tally()
     for event in dspark_fn.generate(params, prompts, NEW_TOKENS, **options):
-        rows[event.row] += event.emitted
+        rows[event.tag] += event.emitted
         acceptance.count(event)
     return rows, acceptance
 

@@ -4,6 +4,9 @@
 predicts the token after ``block[:, j]``. ``limit [B]`` caps how many drafts a
 row may accept (its proposal length this round); drafts past it are verified
 for free but never kept, so every rule stays exact under a shorter proposal.
+``allowed [B, W, V]`` (default all) is each position's constraint: every rule
+reads the target's constrained distribution (``sampling.log_probs``), so a
+proposal the grammar refuses has probability 0 and is never kept.
 """
 
 from typing import NamedTuple
@@ -11,7 +14,7 @@ from typing import NamedTuple
 import mlx.core as mx
 
 from .rng import gumbel_argmax
-from .sampling import Mode, RowSampling, log_probs
+from .sampling import Mode, RowSampling, constrained, log_probs
 
 RESIDUAL_FLOOR = 1e-8  # below this residual mass, fall back to the target distribution
 
@@ -46,12 +49,12 @@ def _accepted(block, accepted, next_tokens) -> Verdict:
     return Verdict(accepted=accepted, next_tokens=next_tokens, emitted=emitted_tokens(block, accepted, next_tokens))
 
 
-def accept_greedy(block: mx.array, target_logits: mx.array, limit=None) -> Verdict:
-    """Keep drafts while they equal the target's argmax; then emit the argmax.
+def accept_greedy(block: mx.array, target_logits: mx.array, limit=None, allowed=None) -> Verdict:
+    """Keep drafts while they equal the target's (constrained) argmax; then emit the argmax.
 
     Output equals greedy decoding of the target alone.
     """
-    choice = mx.argmax(target_logits, axis=-1).astype(block.dtype)
+    choice = mx.argmax(constrained(target_logits, allowed), axis=-1).astype(block.dtype)
     run = leading_run(block[:, 1:] == choice[:, :-1])
     accepted = mx.minimum(run, _full_limit(block, limit))
     next_tokens = mx.take_along_axis(choice, accepted[:, None], axis=1)[:, 0]
@@ -81,6 +84,7 @@ def accept_sampled(
     accept_uniforms: mx.array,
     correction_uniforms: mx.array,
     limit=None,
+    allowed=None,
 ) -> Verdict:
     """Rejection sampling (Leviathan et al. / Chen et al.): the emitted tokens
     are distributed exactly as sampling the target alone under each row's settings.
@@ -93,7 +97,7 @@ def accept_sampled(
     """
     width = block.shape[1]
     limit = _full_limit(block, limit)
-    target = log_probs(target_logits, rows, mode)  # [B, W, V]
+    target = log_probs(target_logits, rows, mode, allowed)  # [B, W, V]
     drafts = block[:, 1:, None]
     p_draft = mx.take_along_axis(target[:, :-1], drafts, axis=-1)[..., 0]
     q_draft = mx.take_along_axis(draft_log_probs[:, : width - 1], drafts, axis=-1)[..., 0]
@@ -110,15 +114,16 @@ def accept_sampled(
     return _accepted(block, accepted, next_tokens)
 
 
-def accept(block, target_logits, draft_log_probs, rows: RowSampling, mode: Mode, uniforms, limit=None) -> Verdict:
+def accept(block, target_logits, draft_log_probs, rows: RowSampling, mode: Mode, uniforms, limit=None,
+           allowed=None) -> Verdict:
     """Each row's rule: greedy rows keep matching drafts, drawing rows reject
     by sampling. ``uniforms()`` -> ``(accept [B, W-1], correction [B, V])``,
     called only when some row draws."""
     if not mode.sampled:
-        return accept_greedy(block, target_logits, limit)
-    sampled = accept_sampled(block, target_logits, draft_log_probs, rows, mode, *uniforms(), limit)
+        return accept_greedy(block, target_logits, limit, allowed)
+    sampled = accept_sampled(block, target_logits, draft_log_probs, rows, mode, *uniforms(), limit, allowed)
     if not mode.greedy:
         return sampled
-    greedy = accept_greedy(block, target_logits, limit)
+    greedy = accept_greedy(block, target_logits, limit, allowed)
     drawing = rows.temperature > 0
     return Verdict(*(mx.where(drawing.reshape(-1, *[1] * (g.ndim - 1)), s, g) for g, s in zip(greedy, sampled)))

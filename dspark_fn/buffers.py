@@ -1,5 +1,5 @@
 """The cache's life outside a round: allocated empty, grown in capacity
-buckets, rows placed, gathered and freed between rounds, and every write a
+buckets, rows placed, gathered, cut out and freed between rounds, and every write a
 launch will make checked on the host first.
 
 Attention reads whole buffers, so a generation starts in the smallest
@@ -83,6 +83,23 @@ def take_rows(tree, rows: Sequence[int], batch: int):
         return mx.concatenate([array[index], padding]) if index.size else padding
 
     return tree_map(take, tree)
+
+
+def row_cache(cache: Cache, row: int, length: int, states: list | None = None) -> Cache:
+    """Row ``row`` as a one-row cache holding its first ``length`` positions,
+    in buffers of its own cut to the bucket of ``length`` (a slice of the
+    batch's buffers would keep all of them alive). ``states``: per target
+    layer, a recurrent entry of the whole batch (None for a layer of slots)
+    whose row ``row`` replaces the row's present state, e.g. the state it
+    had at ``length`` before a round committed more."""
+    one = take_rows(cache, [row], 1)
+    if states is not None:
+        one = one._replace(target=[entry if state is None else take_rows(state, [row], 1)
+                                   for entry, state in zip(one.target, states)])
+    cut = lambda buffer: buffer[:, :, : capacity_for(length)]  # noqa: E731
+    one = one._replace(target=map_slots(cut, one.target), draft=map_slots(cut, one.draft),
+                       length=mx.array([length], mx.int32))
+    return tree_map(mx.contiguous, one)
 
 
 def free_row(cache: Cache, row: int) -> Cache:

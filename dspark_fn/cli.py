@@ -30,15 +30,16 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--verify", type=parse_verify, default="auto",
-                        help="verify width N (anchor + N-1 drafts, every round) or 'auto' (default: draft only "
-                        "when measured acceptance and costs say it pays, then pick the width from the confidences)")
+    parser.add_argument("--width", "--verify", type=parse_width, default="auto",
+                        help="the verify width: N (anchor + N-1 drafts, every round) or 'auto' (default: draft only "
+                        "when measured acceptance and costs say it pays, then pick the width from the confidences); "
+                        "--verify is its former name")
     parser.add_argument("--confidence-threshold", type=float, default=0.0,
                         help="end each proposal at the first draft slot with a lower confidence (0: off)")
     parser.add_argument("--proposals", choices=("auto", "draft", "copy"), default="auto",
                         help="where proposals come from: the DSpark draft, copies of earlier stretches of the "
-                        "context (no draft pass), or 'auto' (default: with --verify auto, per row and round, "
-                        "whichever the measured acceptance and costs favour; a fixed --verify N drafts every round)")
+                        "context (no draft pass), or 'auto' (default: with --width auto, per sequence and round, "
+                        "whichever the measured acceptance and costs favour; a fixed --width N drafts every round)")
 
 
 def add_chat_arguments(parser: argparse.ArgumentParser) -> None:
@@ -85,26 +86,52 @@ def prompt_list(args, tokenizer) -> list[list[int]]:
 
     if args.prompt_tokens:
         return args.prompt_tokens
+    if tokenizer is None:
+        raise SystemExit("dspark: this model has no tokenizer; pass --prompt-tokens 1,2,3")
+    return [chat_tokens(tokenizer, text, args.system, think=not args.no_think) for text in prompt_texts(args)]
+
+
+def prompt_texts(args) -> list[str]:
     texts = ([args.text] if args.text else []) + (args.prompt or [])
     if not texts:
         raise SystemExit('dspark: give a prompt: dspark generate "your question" (or --prompt-tokens 1,2,3)')
+    return texts
+
+
+def check_image_arguments(args) -> None:
+    """``--image`` goes with one text prompt, and not with ``--compare``: refused before anything loads."""
+    if args.prompt_tokens or len(prompt_texts(args)) != 1:
+        raise SystemExit("dspark: --image goes with one text prompt (not --prompt-tokens, not a batch)")
+    if args.compare:
+        raise SystemExit("dspark: --compare runs mlx-lm's text model alone, which reads no images: drop one of them")
+
+
+def image_prompt_list(args, params, tokenizer) -> list:
+    """The one prompt of ``--image`` runs: its images then its text in a user
+    turn, through the chat template and the release's processor."""
+    from .chat import image_turn, template_text
+    from .vision import image_prompt
+
     if tokenizer is None:
-        raise SystemExit("dspark: this model has no tokenizer; pass --prompt-tokens 1,2,3")
-    return [chat_tokens(tokenizer, text, args.system, think=not args.no_think) for text in texts]
+        raise SystemExit("dspark: this model has no tokenizer, so it cannot lay out a prompt with images")
+    turns = [{"role": "system", "content": args.system}] if args.system else []
+    text = template_text(tokenizer, turns + [image_turn(prompt_texts(args)[0], len(args.image))],
+                         think=not args.no_think)
+    return [image_prompt(params, text, args.image)]
 
 
-def parse_verify(text: str):
+def parse_width(text: str):
     if text == "auto":
         return text
     try:
         return int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--verify wants a width (an integer) or 'auto', got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"--width wants a width (an integer) or 'auto', got {text!r}") from None
 
 
 def verify_options(args) -> dict:
     """``generate`` keywords from the verification flags."""
-    return dict(width=args.verify, confidence_threshold=args.confidence_threshold, proposals=args.proposals)
+    return dict(width=args.width, confidence_threshold=args.confidence_threshold, proposals=args.proposals)
 
 
 def decoding_options(args) -> dict:
@@ -155,19 +182,29 @@ def warm_up(events) -> None:
     events.close()
 
 
+def sequence_report(events: list) -> dict:
+    """One sequence's tokens, rounds, tau and sources, from its events."""
+    tally = Tally.of(events)
+    rounds = [{"drafted": e.drafted, "accepted": e.accepted, "emitted": e.emitted, "source": e.source}
+              for e in events if e.kind == "round"]
+    return {"tokens": [t for e in events for t in e.emitted], "rounds": rounds, "tau": tally.tau,
+            "sources": tally.sources()}
+
+
 def run_generate(args) -> int:
     from .driver import generate
     from .kernel import TRACE_COUNTS
     from .stats import DecodeClock
 
+    if args.image:
+        check_image_arguments(args)
     params, tokenizer, config = load(args)
-    prompts = prompt_list(args, tokenizer)
+    prompts = image_prompt_list(args, params, tokenizer) if args.image else prompt_list(args, tokenizer)
     if args.compare and len(prompts) > 1:
         raise SystemExit("dspark: --compare takes a single prompt")
     stop = stop_ids(tokenizer)
     stream = TextStream(tokenizer, stop) if not args.json and len(prompts) == 1 else None
-    tokens, rounds = [[] for _ in prompts], [[] for _ in prompts]
-    acceptance, overall = [Tally() for _ in prompts], Tally()
+    sequences, overall = {index: [] for index in range(len(prompts))}, Tally()  # the prompt's index -> its events
     if args.compare:
         warm_up(generate(params, prompts, args.max_tokens, stop_tokens=stop, **decoding_options(args)))
     clock = DecodeClock(lambda: sum(TRACE_COUNTS.values()))
@@ -175,23 +212,16 @@ def run_generate(args) -> int:
     try:
         events = generate(params, prompts, args.max_tokens, stop_tokens=stop, **decoding_options(args))
         for event in clock.watch(events):
-            row = event.row
-            tokens[row] += event.emitted
-            if event.kind == "round":
-                rounds[row].append({"drafted": event.drafted, "accepted": event.accepted, "emitted": event.emitted,
-                                    "source": event.source})
-            for stats in (acceptance[row], overall):
-                stats.count(event)
+            sequences[event.tag].append(event)
+            overall.count(event)
             if stream:
                 stream.add(event.emitted)
     except KeyboardInterrupt:
         print("\ndspark: interrupted", file=sys.stderr)
     elapsed = time.perf_counter() - start
-    reports = [
-        {"tokens": row_tokens, "rounds": row_rounds, "tau": stats.tau, "sources": stats.sources(),
-         "tokens_per_s": clock.tokens_per_s, "seconds": elapsed}
-        for row_tokens, row_rounds, stats in zip(tokens, rounds, acceptance)
-    ]
+    reports = [sequence_report(sequences[index]) | {"tokens_per_s": clock.tokens_per_s, "seconds": elapsed}
+               for index in range(len(prompts))]
+    tokens = [report["tokens"] for report in reports]
     if args.json:
         report = reports[0] if len(prompts) == 1 else {"batch": reports}
         group = world_group()
@@ -204,11 +234,11 @@ def run_generate(args) -> int:
     if stream:
         stream.close()
     else:
-        for index, row_tokens in enumerate(tokens):
+        for index, sequence_tokens in enumerate(tokens):
             print(f"[prompt {index + 1}]")
-            batch_row = TextStream(tokenizer, stop)
-            batch_row.add(row_tokens)
-            batch_row.close()
+            text = TextStream(tokenizer, stop)
+            text.add(sequence_tokens)
+            text.close()
     produced = sum(len(t) for t in tokens)
     print(
         f"[{produced} tokens in {elapsed:.1f} s, tau {overall.tau:.2f}, acceptance {overall.acceptance_rate:.0%}; "
@@ -336,6 +366,7 @@ def run_serve(args) -> int:
         from .serve.access import KEY_VARIABLE, is_loopback, read_keys
         from .serve.app import serve, system_fingerprint
         from .serve.engine import Engine
+        from .serve.images import ImageSources
     except ImportError as missing:
         raise SystemExit(f"dspark serve needs its extra: pip install 'dspark-fn[serve]' ({missing})") from None
     from .catalog import resolve
@@ -360,7 +391,8 @@ def run_serve(args) -> int:
         return 1 if engine.dead else 0
     print(f"dspark: serving {name} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     options = dict(fingerprint=system_fingerprint(name, resolve(args.model, args.draft)[1]), api_keys=keys,
-                   max_body_bytes=int(args.max_body_mb * (1 << 20)))
+                   max_body_bytes=int(args.max_body_mb * (1 << 20)),
+                   image_sources=ImageSources(files=args.allow_image_files, urls=args.allow_image_urls))
     if serve(engine, tokenizer, name, args.host, args.port, **options):
         raise SystemExit(f"dspark: the decoding engine failed and could not start again ({engine.failure})")
     return 0
@@ -398,6 +430,9 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--prompt-tokens", type=parse_token_list, action="append",
                         help="prompt token ids, e.g. 1,2,3 (no template); repeat for a batch")
     add_chat_arguments(gen)
+    gen.add_argument("--image", action="append", metavar="PATH",
+                     help="an image the prompt is about (repeat for several, in order); a multimodal release "
+                     "whose vision side mlx-vlm has takes them (gemma4, qwen3_5, lfm2-vl), others refuse")
     gen.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
     gen.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: off)")
     gen.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set of mass p (1: off)")
@@ -475,6 +510,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--no-api-key", action="store_true",
                        help="serve without a key on an address other machines reach (refused otherwise)")
     serve.add_argument("--max-body-mb", type=float, default=16, help="largest request body taken (413 past it)")
+    serve.add_argument("--allow-image-files", action="store_true",
+                       help="read file:// image URLs in messages (files of this machine); data: URLs are always read")
+    serve.add_argument("--allow-image-urls", action="store_true",
+                       help="fetch http(s):// image URLs in messages (the server reaches out to them)")
     serve.add_argument("--max-queue", type=int, default=64,
                        help="requests that may wait for a row; past it new ones get 429 with Retry-After")
     serve.add_argument("--queue-timeout", type=float, default=600,

@@ -1,4 +1,4 @@
-"""How much a round costs on this machine, and the verify policy built from it.
+"""How much a round costs on this machine.
 
 The cost curve (draft kernel, verify kernel of each width) is timed once per
 model, machine, MLX device, BLAS, batch size and sampling mode at a reference
@@ -6,8 +6,8 @@ context, and kept in ``verify_costs.json`` in the cache folder (``cachedir``):
 the same model costs a round several times more on MLX's bundled BLAS than on
 OpenBLAS, so each BLAS has its own curve and the gate declines drafting where
 that BLAS makes it not pay. The first timing also compiles the kernels; it
-shows its progress on stderr. ``verify_policy`` turns a width setting into
-the ``VerifyPolicy`` the driver plans with. Over several ranks every rank
+shows its progress on stderr. ``measured_costs`` is what the driver's
+``schedule.Planner`` plans "auto" rounds with. Over several ranks every rank
 times the kernels together (they hold collectives) and all take rank 0's curve.
 """
 
@@ -28,9 +28,9 @@ from .blas import in_use
 from .buffers import init_cache
 from .cachedir import cache_root, mlx_kernel_dir
 from .progress import Status, about, duration
-from .rounds import check_width, no_proposal, propose, verify
+from .rounds import no_proposal, propose, verify
 from .sampling import GREEDY, batch_sampling
-from .schedule import CostCurve, VerifyPolicy, width_buckets
+from .schedule import CostCurve
 from .sharding import agree
 from .types import Params
 
@@ -176,32 +176,12 @@ def model_signature(params: Params) -> str:
     return repr((params.spec.target, params.spec.draft, [(k, v.shape, v.dtype) for k, v in tensors]))
 
 
-def verify_policy(
-    params: Params,
-    width,
-    batch_size: int,
-    *,
-    sampling=GREEDY,
-    confidence_threshold: float = 0.0,
-    costs: CostCurve | None = None,
-) -> VerifyPolicy:
-    """The policy for ``width`` = an int (fixed), None (the whole block) or
-    "auto" (draft only when it pays, then Algorithm 1 over a cost curve:
-    ``costs``, else measured on first use and cached per model, device,
-    BLAS, batch size and sampling settings)."""
-    spec = params.spec
-    if not (width is None or width == "auto" or isinstance(width, int)):
-        raise ValueError(f"verify width must be an integer, None or 'auto', got {width!r}")
-    auto = width == "auto"
-    widest = spec.block_size + 1 if width is None or auto else width
-    check_width(spec, widest)
-    buckets = width_buckets(spec.block_size, widest)
-    if auto and costs is None:
-        if mx.distributed.init().size() > 1:  # a cache hit on one rank only would leave the others timing alone
-            costs = agreed(measure_costs(params, batch_size, buckets, sampling))
-        else:
-            key = cost_key(model_signature(params), batch_size, COST_CAPACITY, batch_sampling(sampling, batch_size)[1])
-            costs = cached_costs(key, lambda: measured_in_view(params, batch_size, buckets, sampling))
-    return VerifyPolicy(widest, buckets, confidence_threshold, costs if auto else None)
-
-
+def measured_costs(params: Params, batch_size: int, widths: tuple, sampling=GREEDY) -> CostCurve:
+    """The cost curve of ``params`` at ``batch_size`` rows for the verify
+    ``widths``: measured on first use (its progress on stderr) and cached per
+    model, device, BLAS, batch size and sampling settings (over several
+    ranks, rank 0's, timed by all)."""
+    if mx.distributed.init().size() > 1:  # a cache hit on one rank only would leave the others timing alone
+        return agreed(measure_costs(params, batch_size, widths, sampling))
+    key = cost_key(model_signature(params), batch_size, COST_CAPACITY, batch_sampling(sampling, batch_size)[1])
+    return cached_costs(key, lambda: measured_in_view(params, batch_size, widths, sampling))

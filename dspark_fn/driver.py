@@ -1,32 +1,41 @@
-"""The driver: rows that enter and leave a batch between rounds (``Decoder``)
-and the generation loop over it (``generate``), one host synchronisation a round.
+"""The driver: sequences that enter and leave a batch between rounds
+(``Decoder``) and the generation loop over it (``generate``).
 
-A row owns its life: its ``Row`` holds its sampling settings, its committed
-length, its budget and stop tokens, whether it asked for log-probabilities
-and its copy index. Every step (a round, or the prefill of new rows) cuts
-each row's tokens by the row's own rule (``Row.cut``) and says which rows
-ended and why (``Step.finished``); a row that ended is freed before the next
-round. ``generate``, the server's engine and the trainer's answering read
-steps; none of them cuts tokens or counts a budget of its own.
+A caller hands the decoder prompts with tags (``insert``) and reads steps:
+each step's tokens by tag, and for each sequence that ended, one record
+(``types.Ended``: its tokens, why it ended, its acceptance tally and, when
+asked, its cache cut to its tokens), given back as its row is freed. Rows
+are the decoder's own: it picks a free row for each new sequence and moves
+the sequences when the batch is resized, so no caller keeps a row map.
+
+A sequence's ``Row`` holds its sampling settings, its committed length, its
+budget and stop tokens, whether it asked for log-probabilities, its copy
+index and what it emitted so far. Every step cuts each sequence's tokens by
+its own rule (``Row.cut``) and says which ended and why (``Step.finished``);
+none of ``generate``, the server's engine, the trainer's answering or the
+command line cuts tokens or counts a budget of its own. What each round
+proposes and how wide it verifies is the ``schedule.Planner``'s to decide.
 """
 
 import dataclasses
-from typing import Iterator, Sequence
+import itertools
+from typing import Hashable, Iterator, NamedTuple, Sequence
 
 import mlx.core as mx
 import numpy as np
 
-from .buffers import capacity_for, check_writes, free_row, grow_cache, init_cache, take_rows
-from .cache import Cache
+from .buffers import capacity_for, check_writes, free_row, grow_cache, init_cache, row_cache, take_rows
+from .cache import Cache, is_recurrent
 from .copying import Copy, CopyIndex
-from .costs import verify_policy
+from .costs import measured_costs
 from .prefilling import as_rows, insert, prefill
 from .rounds import no_proposal, propose, undrafted, verify
 from .sampling import GREEDY, Sampling, batch_sampling
-from .schedule import CostCurve, SlotRates, VerifyPolicy
-from .types import Copies, Event, Params, Step, TokenLogProbs, TokenScore
+from .schedule import CostCurve, Plan, Planner, Sources
+from .stats import Tally
+from .types import (Copies, Ended, Event, Params, Proposal, Round, Step, TokenLogProbs, TokenScore, prompt_ids,
+                    prompt_key)
 
-PROPOSALS = ("auto", "draft", "copy")  # where a row's proposal comes from: chosen per row and round, or one source
 TOP_LOG_PROBS = 20  # the most likely tokens a round scores when a row asks for log-probabilities (OpenAI's limit)
 
 
@@ -34,18 +43,24 @@ TOP_LOG_PROBS = 20  # the most likely tokens a round scores when a row asks for 
 class Row:
     """One sequence of a batch, from the prefill that brings it in to its end."""
 
+    tag: Hashable
+    prompt: list  # its ids (``prompt_key``: an image token paired with its image's content hash)
     sampling: Sampling
     committed: int  # positions its cache row holds
     budget: int | None = None  # tokens it may still emit (None: until released)
     stop_tokens: frozenset = frozenset()  # a token that ends it (kept)
     scoring: int | None = None  # most likely alternatives to list with each token's log-probability, or None
     index: CopyIndex | None = None  # its committed n-grams, when rows propose copies
+    keep_cache: bool = False  # give its cache back when it ends
     fresh: bool = True  # it joined after the pending draft was made, so that draft does not cover it
-    finish: str | None = None  # "stop" or "length" once it ended
+    finish: str | None = None  # "stop", "length" or "cancelled" once it ended
+    tokens: list = dataclasses.field(default_factory=list)  # what it emitted so far
+    tally: Tally = dataclasses.field(default_factory=Tally)  # its rounds' acceptance
 
     def cut(self, tokens: list) -> list:
         """Its share of ``tokens``: up to its first stop token (kept) and its
-        budget; counts them against the budget and notes why it ended."""
+        budget; counts them against the budget, notes why it ended and
+        keeps them."""
         kept = tokens if self.budget is None else tokens[: self.budget]
         stop = next((i for i, token in enumerate(kept) if token in self.stop_tokens), None)
         if stop is not None:
@@ -54,7 +69,21 @@ class Row:
             self.budget -= len(kept)
             if self.finish is None and self.budget <= 0:
                 self.finish = "length"
+        self.tokens += kept
         return kept
+
+    def advance(self, committed: list, accepted: int, drafted: list, source: str) -> list:
+        """A round's share (``cut``), tallied with what it verified."""
+        kept = self.cut(committed)
+        self.tally.add(len(kept), accepted, len(drafted), source)
+        return kept
+
+
+class Before(NamedTuple):
+    """A round's starting point, for a sequence that ends in it and gives its cache back."""
+
+    committed: np.ndarray  # [B] each row's committed positions
+    states: list  # per target layer: a recurrent layer's entry (every row), else None
 
 
 def _initial_capacity(rows: list, max_new_tokens: int, widest: int, capacity: int) -> None:
@@ -93,176 +122,312 @@ def _copy_tokens(copies: list, slots: int) -> mx.array:
 
 
 class Decoder:
-    """The driver between rounds: a batch of ``batch`` rows, each a sequence
-    that enters with ``insert`` (or all at once with ``start``), advances one
-    round per ``step`` until its stop token or budget (or ``release``). The
-    cache grows in ``capacity_for`` buckets unless fixed.
+    """The driver between rounds: a batch of ``batch`` rows, each holding a
+    sequence that enters with ``insert`` (or a whole batch at once with
+    ``start``), advances one round per ``step`` until its stop token or
+    budget (or ``release``), and leaves as an ``Ended`` record. The cache
+    grows in ``capacity_for`` buckets unless fixed.
 
-    ``proposals`` says where each row's proposal comes from: "draft" (the
-    DSpark draft), "copy" (the continuation of the latest earlier
-    occurrence of the row's ending, ``copying.CopyIndex``; no draft pass)
-    or "auto": under the "auto" width, each round, each row the source
-    expected to keep more tokens per second (the gate weighs the rates
-    ``SlotRates`` measures per source, match length and slot, and the
-    costs); a fixed width drafts and verifies that width every round, so
-    there "auto" is the draft.
-
-    With the draft alone the verify of round r and the draft of round r + 1
-    are evaluated together (one host synchronisation a round) and round
-    r + 1's width is planned from that draft's own confidences. With copies
-    round r + 1's sources are chosen once round r's tokens are known (its
-    copies need them) and the draft runs only when some row takes it: a
-    round of copies costs no draft pass, a drafting round one more
-    synchronisation."""
+    ``width`` (the width setting: "auto", an int or None), ``proposals``
+    ("auto", "draft" or "copy") and ``confidence_threshold`` are the
+    ``planner``'s settings (``schedule.Planner``); under "auto" it plans
+    from ``costs``, by default the cost curve measured on this machine for
+    each batch size (``costs.measured_costs``, timed with
+    ``cost_sampling``)."""
 
     def __init__(self, params: Params, batch: int, *, width="auto", capacity: int | None = None,
                  confidence_threshold: float = 0.0, costs: CostCurve | None = None, seed: int = 0,
                  cost_sampling=GREEDY, proposals: str = "auto"):
-        if proposals not in PROPOSALS:
-            raise ValueError(f"proposals must be one of {', '.join(PROPOSALS)}, got {proposals!r}")
         self.params = params
-        self._policy_options = dict(
-            width=width, sampling=cost_sampling, confidence_threshold=confidence_threshold, costs=costs
-        )
-        self.policies = {batch: verify_policy(params, batch_size=batch, **self._policy_options)}
-        self.proposals = proposals
-        policy = self.policies[batch]
-        auto_width = policy.costs is not None  # a fixed width drafts every round
-        self.copying = policy.max_width > 1 and (proposals == "copy" or (proposals == "auto" and auto_width))
+        measure = costs if costs is not None else (
+            lambda size, widths: measured_costs(params, size, widths, cost_sampling))
+        self.planner = Planner(params.spec.block_size, width=width, proposals=proposals,
+                               threshold=confidence_threshold, costs=measure, batch=batch)
         self.growing = capacity is None
         self.cache = init_cache(params, batch, capacity or capacity_for(1), seed)
         self.rows: list[Row | None] = [None] * batch  # None: a free row
         self.tokens = mx.zeros((batch,), mx.int32)  # each row's anchor
-        self.proposal = None  # the draft made with the last verify, for the coming round
+        self.pending: Proposal | None = None  # the coming round's draft, made with the last verify (``Planner.ahead``)
         self._sampling = batch_sampling(GREEDY, batch)
-        self.rates = SlotRates.start(policy.max_width - 1)
-        self.gate = policy.gate(self.rates)
+        self._tags = itertools.count()  # tags handed out when the caller gives none
 
     @property
     def batch(self) -> int:
         return len(self.rows)
 
     @property
-    def policy(self) -> VerifyPolicy:
-        """The policy of the running batch size (cost curves are per size)."""
-        return self.policies[self.batch]
-
-    @property
-    def slots(self) -> int:
-        """The most tokens a row proposes in a round."""
-        return self.policy.max_width - 1
-
-    @property
     def live(self) -> np.ndarray:
-        """``[B]`` the rows still generating."""
-        return np.array([row is not None and row.finish is None for row in self.rows])
+        """``[B]`` the rows holding a sequence."""
+        return np.array([row is not None for row in self.rows])
 
     @property
     def busy(self) -> bool:
-        """Whether a row is still generating (another ``step`` has work)."""
+        """Whether a sequence is still generating (another ``step`` has work)."""
         return bool(self.live.any())
+
+    @property
+    def free(self) -> int:
+        """How many more sequences ``insert`` takes now."""
+        return self.rows.count(None)
 
     @property
     def committed(self) -> np.ndarray:
         """``[B]`` the positions each row's cache holds (0 for a free row)."""
         return np.array([row.committed if row is not None else 0 for row in self.rows])
 
-    def ensure_capacity(self, slots: int) -> None:
-        """Grow to hold ``slots`` positions (a fixed cache refuses to write past its end)."""
-        if slots > self.cache.capacity:
-            if not self.growing:
-                raise ValueError(f"{slots} positions exceed the fixed cache capacity {self.cache.capacity}")
-            self.cache = grow_cache(self.params, self.cache, capacity_for(slots))
+    # ---- sequences in
 
-    def _enter(self, rows: Sequence[int], prompts: list, settings: list, first: list, *, fresh: bool,
-               max_new_tokens: int | None, stop_tokens, top_log_probs: int | None) -> None:
-        for row, prompt, setting, token in zip(rows, prompts, settings, first):
-            self.rows[row] = Row(sampling=setting, committed=len(prompt), budget=max_new_tokens,
-                                 stop_tokens=frozenset(stop_tokens), scoring=top_log_probs, fresh=fresh,
-                                 index=CopyIndex(list(prompt) + [token]) if self.copying else None)
-        self._sampling = batch_sampling([row.sampling if row else GREEDY for row in self.rows], self.batch)
-
-    def _prefilled(self, rows: Sequence[int], first: list, scores: list | None) -> Step:
-        """The step of rows that were just prefilled: each one's first token."""
-        entered = [self.rows[row] for row in rows]
-        return Step(kind="prefill", rows=list(rows), emitted=[row.cut([token]) for row, token in zip(entered, first)],
-                    accepted=[0] * len(entered), drafted=[[] for _ in entered], width=0, sources=[""] * len(entered),
-                    finished=[row.finish for row in entered], log_probs=scores)
-
-    def start(self, prompts: list, sampling=GREEDY, *, max_new_tokens: int | None = None,
-              stop_tokens: Sequence[int] = ()) -> Step:
-        """Prefill every row at once (batched), each with its budget of
-        ``max_new_tokens`` (default: none) and ``stop_tokens``; returns the
-        step of their first tokens."""
+    def start(self, prompts: list, sampling=GREEDY, *, tags: Sequence[Hashable] | None = None,
+              max_new_tokens: int | None = None, stop_tokens: Sequence[int] = ()) -> Step:
+        """Prefill a whole batch of sequences at once (batched) into the
+        empty decoder, one a row, each with its budget of ``max_new_tokens``
+        (default: none) and ``stop_tokens``, tagged ``tags`` (default: the
+        decoder hands out 0, 1, ...); returns the step of their first tokens.
+        The first round's draft is made with the prefill."""
+        if self.live.any():
+            raise ValueError("start fills an empty decoder; insert adds sequences to a running one")
+        tags = self._new_tags(tags, len(prompts))
         settings = [sampling] * self.batch if isinstance(sampling, Sampling) else list(sampling)
         self.cache, self.tokens = prefill(self.params, self.cache, prompts, sampling=settings, grow=self.growing)
         self._sampling = batch_sampling(settings, self.batch)
-        self.proposal = self._next_proposal()
-        mx.eval(self.tokens, self.proposal)
+        self.pending = self._draft_ahead(np.ones(self.batch, bool))
+        mx.eval(self.tokens, self.pending)
         first = self.tokens.tolist()
-        self._enter(range(self.batch), prompts, settings, first, fresh=False, max_new_tokens=max_new_tokens,
-                    stop_tokens=stop_tokens, top_log_probs=None)
+        self._enter(range(self.batch), tags, prompts, settings, first, fresh=False, max_new_tokens=max_new_tokens,
+                    stop_tokens=stop_tokens, top_log_probs=None, keep_cache=False)
         return self._prefilled(range(self.batch), first, None)
 
-    def insert(self, rows: Sequence[int], prompts: list, *, sampling=GREEDY, seeds: Sequence[int] = (),
-               prefix: Cache | None = None, top_log_probs: int | None = None, max_new_tokens: int | None = None,
-               stop_tokens: Sequence[int] = ()) -> Step:
-        """New sequences in the free rows ``rows`` between rounds (prefilled
-        together), each with its budget of ``max_new_tokens`` (default: none)
-        and ``stop_tokens``; returns the step of their first tokens.
-        ``prefix``: see ``insert``. With ``top_log_probs`` (0..20) these rows'
-        tokens are scored, these and every later one's (``Step.log_probs``)."""
+    def insert(self, prompts: list, *, tags: Sequence[Hashable] | None = None, sampling=GREEDY,
+               seeds: Sequence[int] = (), prefix: Cache | None = None, top_log_probs: int | None = None,
+               max_new_tokens: int | None = None, stop_tokens: Sequence[int] = (), keep_cache: bool = False) -> Step:
+        """New sequences between rounds, in free rows the decoder picks
+        (prefilled together; a prompt is a token list or an ``ImagePrompt``,
+        a prompt with images), tagged ``tags`` (default: handed out), each
+        with its budget of ``max_new_tokens`` (default: none) and
+        ``stop_tokens``; returns the step of their first tokens.
+        ``sampling`` and ``seeds``: one setting for all or one each;
+        ``prefix``: see ``prefilling.insert``. With ``top_log_probs``
+        (0..20) these sequences' tokens are scored (``Step.log_probs``); with
+        ``keep_cache`` each gives its cache back when it ends
+        (``Ended.cache``)."""
+        rows = [row for row, entry in enumerate(self.rows) if entry is None][: len(prompts)]
+        if len(rows) < len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(rows)} free row(s) in the batch of {self.batch}: "
+                             f"resize the batch first")
+        tags = self._new_tags(tags, len(prompts))
         settings = [sampling] * len(rows) if isinstance(sampling, Sampling) else list(sampling)
         self.cache, tokens, *scored = insert(
             self.params, self.cache, rows, prompts, sampling=settings, seeds=seeds, prefix=prefix, grow=self.growing,
             top_log_probs=None if top_log_probs is None else TOP_LOG_PROBS,
         )
-        self.tokens[mx.array(list(rows))] = tokens
+        self.tokens[mx.array(rows)] = tokens
         first = tokens.tolist()
-        self._enter(rows, prompts, settings, first, fresh=True, max_new_tokens=max_new_tokens,
-                    stop_tokens=stop_tokens, top_log_probs=top_log_probs)
+        self._enter(rows, tags, prompts, settings, first, fresh=True, max_new_tokens=max_new_tokens,
+                    stop_tokens=stop_tokens, top_log_probs=top_log_probs, keep_cache=keep_cache)
         scores = None
         if top_log_probs is not None:
             one = TokenLogProbs(*(a[:, None] for a in scored[0]))  # one position a row
             scores = token_scores(one, list(range(len(rows))), [1] * len(rows), [top_log_probs] * len(rows))
         return self._prefilled(rows, first, scores)
 
-    def reset_policy(self) -> None:
-        """Forget the measured rates and the gate's state: a sequence that
-        runs alone from here follows the same decisions, so its seeded
-        samples repeat."""
-        self.rates = SlotRates.start(self.slots)
-        self.gate = self.policy.gate(self.rates)
+    def _new_tags(self, tags, count: int) -> list:
+        tags = [next(self._tags) for _ in range(count)] if tags is None else list(tags)
+        running = {row.tag for row in self.rows if row is not None}
+        if len(tags) != count or len(set(tags)) != count or running & set(tags):
+            raise ValueError(f"{count} sequences need {count} distinct tags that no running sequence has, got {tags}")
+        return tags
 
-    def release(self, row: int) -> None:
-        """Free ``row``: it commits nothing more and its slots are reused."""
+    def _enter(self, rows: Sequence[int], tags: list, prompts: list, settings: list, first: list, *, fresh: bool,
+               max_new_tokens: int | None, stop_tokens, top_log_probs: int | None, keep_cache: bool) -> None:
+        for row, tag, prompt, setting, token in zip(rows, tags, prompts, settings, first):
+            self.rows[row] = Row(tag=tag, prompt=prompt_key(prompt), sampling=setting, committed=len(prompt),
+                                 budget=max_new_tokens, stop_tokens=frozenset(stop_tokens), scoring=top_log_probs,
+                                 keep_cache=keep_cache, fresh=fresh,
+                                 index=CopyIndex(prompt_ids(prompt) + [token]) if self.planner.copies else None)
+        self._sampling = batch_sampling([row.sampling if row else GREEDY for row in self.rows], self.batch)
+
+    def _prefilled(self, rows: Sequence[int], first: list, scores: list | None) -> Step:
+        """The step of sequences that were just prefilled: each one's first token."""
+        entered = [self.rows[row] for row in rows]
+        emitted = [entry.cut([token]) for entry, token in zip(entered, first)]
+        return Step(kind="prefill", tags=[entry.tag for entry in entered], emitted=emitted,
+                    accepted=[0] * len(entered), drafted=[[] for _ in entered], width=0, sources=[""] * len(entered),
+                    finished=[entry.finish for entry in entered], log_probs=scores, ended=self._end_finished(rows))
+
+    # ---- one round
+
+    def step(self) -> Step:
+        """One round over the live sequences, top to bottom: choose sources,
+        draft if asked, plan, make room, verify, one evaluation, learn, cut,
+        and end the sequences that finished (``Step.ended``; their rows take
+        the next ``insert``).
+
+        Host synchronisations: one, the evaluation, when the draft is the
+        only source (the round's draft was made and evaluated with the
+        previous verify) and in a round without a draft pass; two in a round
+        that drafts beside copies, which reads its fresh draft's
+        confidences to plan the width before it launches the verify."""
+        live = self.live
+        if not live.any():
+            raise ValueError("no sequence is generating: insert a prompt first")
+        copies = self._copies()
+        matches = np.array([copy.match for copy in copies])
+        sources, proposal = self._sources(matches, live)
+        confidences = None if proposal is None else _sigmoid(proposal.confidence_logits)
+        plan = self.planner.plan(confidences, matches, sources, live, self._fresh(live))
+        before = self._before()
+        result = self._verify(plan, proposal, copies, live)
+        self.pending = self._draft_ahead(live)
+        mx.eval(result, self.pending, self.cache.length)
+        counts, accepted = result.count.tolist(), result.accepted.tolist()
+        committed = [tokens[:count] for tokens, count in zip(result.emitted.tolist(), counts)]
+        self._commit(committed)
+        self.planner.learn(plan, np.array(accepted), copies, committed)
+        return self._cut(plan, result, committed, accepted, before)
+
+    def _copies(self) -> list:
+        """Each row's copy of its own context (an empty ``Copy`` without one)."""
+        slots = self.planner.max_width - 1
+        return [row.index.lookup(slots) if row is not None and row.index is not None else Copy([], 0)
+                for row in self.rows]
+
+    def _sources(self, matches: np.ndarray, live: np.ndarray) -> tuple[Sources, Proposal | None]:
+        """The round's sources and draft: chosen in the round before when the
+        draft is the only source (the pending draft), else now."""
+        if self.planner.ahead:
+            return Sources(self.pending is not None, np.zeros(self.batch, bool)), self.pending
+        sources = self.planner.sources(matches, live)
+        return sources, self._draft() if sources.draft else None
+
+    def _draft(self) -> Proposal:
+        return propose(self.params, self.cache, self.tokens, self._sampling)
+
+    def _draft_ahead(self, live: np.ndarray) -> Proposal | None:
+        """The coming round's draft, launched now to be evaluated with this
+        step, when the draft is the only source and the planner drafts."""
+        if not self.planner.ahead or not self.planner.sources(np.zeros(self.batch, int), live).draft:
+            return None
+        return self._draft()
+
+    def _fresh(self, live: np.ndarray) -> np.ndarray:
+        """``[B]`` live rows the pending draft does not cover (they joined after it was made)."""
+        return live & np.array([row is not None and row.fresh for row in self.rows]) & self.planner.ahead
+
+    def _before(self) -> Before | None:
+        """The committed counts and recurrent states before this round, when
+        the target keeps recurrent states and a sequence gives its cache
+        back (references, no copies)."""
+        if not self.cache.recurrent or not any(row.keep_cache for row in self.rows if row is not None):
+            return None
+        return Before(self.committed, [entry if is_recurrent(entry) else None for entry in self.cache.target])
+
+    def _verify(self, plan: Plan, proposal: Proposal | None, copies: list, live: np.ndarray) -> Round:
+        """Launch the planned verify (the cache and the anchors move on; nothing is evaluated)."""
+        width = plan.width
+        self._make_room(width, live)
+        if width == 1:
+            proposal = no_proposal(self.batch)
+        elif proposal is None:
+            proposal = undrafted(self.params, self.batch, self._sampling.mode)
+        copied = Copies(_copy_tokens(copies, width - 1), mx.array(plan.copying)) if plan.copying.any() else None
+        scoring = any(row.scoring is not None for row in self.rows if row is not None)
+        self.cache, result = verify(
+            self.params, self.cache, self.tokens, proposal, width, sampling=self._sampling,
+            limit=mx.array(plan.limits), active=mx.array(live), copies=copied,
+            top_log_probs=TOP_LOG_PROBS if scoring else None, check_room=False,
+        )
+        self.tokens = result.next_tokens
+        return result
+
+    def _make_room(self, width: int, live: np.ndarray) -> None:
+        """Every live row gets ``width`` free slots (the cache grows; a fixed
+        one refuses), and every row's write is checked on the host."""
+        committed = self.committed
+        slots = int(committed[live].max()) + width
+        if slots > self.cache.capacity:
+            if not self.growing:
+                raise ValueError(f"{slots} positions exceed the fixed cache capacity {self.cache.capacity}")
+            self.cache = grow_cache(self.params, self.cache, capacity_for(slots))
+        check_writes(committed, width, self.cache.capacity, f"a verify of width {width}")
+
+    def _commit(self, committed: list) -> None:
+        """Count each row's committed tokens (checked against the cache's own
+        lengths, which came with the evaluation) and index them for copies."""
+        for row, tokens in zip(self.rows, committed):
+            if row is not None:
+                row.committed += len(tokens)
+                row.fresh = False
+                if row.index is not None:
+                    row.index.extend(tokens)
+        self._check_lengths()
+
+    def _cut(self, plan: Plan, result: Round, committed: list, accepted: list, before: Before | None) -> Step:
+        """The round's step: each sequence's committed tokens cut by its own
+        rule, then the records of those that ended."""
+        rows = [row for row, entry in enumerate(self.rows) if entry is not None]
+        drafted = result.drafted.tolist()
+        proposed = [drafted[row][: plan.limits[row]] for row in rows]
+        sources = [plan.source(row) for row in rows]
+        entries = [self.rows[row] for row in rows]
+        emitted = [entry.advance(committed[row], accepted[row], verified, source)
+                   for entry, row, verified, source in zip(entries, rows, proposed, sources)]
+        scores = None
+        if result.scores is not None:
+            scores = token_scores(result.scores, rows, [len(committed[row]) for row in rows],
+                                  [entry.scoring for entry in entries])
+        return Step(kind="round", tags=[entry.tag for entry in entries], emitted=emitted,
+                    accepted=[accepted[row] for row in rows], drafted=proposed, width=plan.width, sources=sources,
+                    finished=[entry.finish for entry in entries], log_probs=scores,
+                    ended=self._end_finished(rows, before))
+
+    # ---- sequences out, and the batch between rounds
+
+    def release(self, tag: Hashable) -> Ended:
+        """End sequence ``tag`` now ("cancelled"): its record, its row freed."""
+        row = next((row for row, entry in enumerate(self.rows) if entry is not None and entry.tag == tag), None)
+        if row is None:
+            raise ValueError(f"no running sequence is tagged {tag!r}")
+        self.rows[row].finish = "cancelled"
+        return self._end(row)
+
+    def _end_finished(self, rows: Sequence[int], before: Before | None = None) -> list:
+        return [self._end(row, before) for row in rows if self.rows[row].finish is not None]
+
+    def _end(self, row: int, before: Before | None = None) -> Ended:
+        """The record of the sequence in ``row``, which is then free."""
+        entry = self.rows[row]
+        cache = self._kept_cache(row, entry, before) if entry.keep_cache else None
         self.rows[row] = None
         self.cache = free_row(self.cache, row)
+        return Ended(entry.tag, entry.prompt, entry.tokens, entry.finish, entry.tally, cache)
 
-    def _release_ended(self) -> None:
-        for row, entry in enumerate(self.rows):
-            if entry is not None and entry.finish is not None:
-                self.release(row)
+    def _kept_cache(self, row: int, entry: Row, before: Before | None) -> Cache:
+        """The row's cache cut to the sequence's tokens. Attention slots serve
+        any shorter prefix, but a recurrent state holds only after every
+        committed token: a round that committed past the sequence's end
+        (drafts accepted beyond its stop token or budget) gives back the
+        states from before that round, at the length they were taken."""
+        context = len(entry.prompt) + len(entry.tokens)
+        if before is not None and entry.committed > context:
+            return row_cache(self.cache, row, int(before.committed[row]), before.states)
+        return row_cache(self.cache, row, min(entry.committed, context))
 
-    def resize(self, batch: int) -> dict[int, int]:
-        """Move the live rows, in order, to the front of a batch of ``batch``
-        rows, the rest free; returns old row -> new row. Kernels and cost
-        curves are per batch size, so a server runs only as many rows as it
-        has requests (each size compiles once)."""
+    def resize(self, batch: int) -> None:
+        """Move the live sequences into a batch of ``batch`` rows (with their
+        pending draft; the planner keeps what it measured and plans with
+        that size's cost curve). Kernels and cost curves are per batch
+        size, so a server runs only as many rows as it has requests (each
+        size compiles once)."""
         live = np.flatnonzero(self.live).tolist()
         if len(live) > batch:
             raise ValueError(f"{len(live)} active rows do not fit in a batch of {batch}")
-        if batch not in self.policies:
-            self.policies[batch] = verify_policy(self.params, batch_size=batch, **self._policy_options)
-        if self.gate is not None:  # what it measured of the draft holds at any batch size; the costs do not
-            self.gate = dataclasses.replace(self.gate, costs=self.policies[batch].costs)
+        self.planner.resize(batch)
         self.cache, self.tokens = take_rows((self.cache, self.tokens), live, batch)
-        if self.proposal is not None:
-            self.proposal = take_rows(self.proposal, live, batch)
+        if self.pending is not None:
+            self.pending = take_rows(self.pending, live, batch)
         self.rows = [self.rows[row] for row in live] + [None] * (batch - len(live))
         self._sampling = batch_sampling([row.sampling if row else GREEDY for row in self.rows], batch)
         self._check_lengths()
-        return {old: new for new, old in enumerate(live)}
 
     def _check_lengths(self) -> None:
         """The host plans every write from the rows' committed counts: each
@@ -276,113 +441,6 @@ class Decoder:
                 f"cache row {row} holds length {lengths[row]} but the decoder counts {counted[row]} "
                 f"committed positions (capacity {self.cache.capacity})"
             )
-
-    def row_cache(self, row: int) -> Cache:
-        """Row ``row`` as a one-row cache (e.g. to keep a conversation's prefix)."""
-        return take_rows(self.cache, [row], 1)
-
-    def _next_proposal(self):
-        """The draft evaluated with the verify before it (drafts alone only)."""
-        if self.copying:
-            return None
-        drafting = self.policy.max_width > 1 and (self.gate is None or self.gate.draft_next())
-        return propose(self.params, self.cache, self.tokens, self._sampling) if drafting else None
-
-    def _copies(self, live: np.ndarray) -> list:
-        return [
-            row.index.lookup(self.slots) if alive and row.index is not None else Copy([], 0)
-            for row, alive in zip(self.rows, live)
-        ]
-
-    def _sources(self, copies: list, live: np.ndarray):
-        """The round's draft (None: no draft pass) and the rows that verify their copy."""
-        if not self.copying:  # the draft, made with the last verify
-            return self.proposal, np.zeros(self.batch, bool)
-        matches = np.array([copy.match for copy in copies])
-        if self.proposals == "copy":
-            drafting, copying = False, matches > 0
-        else:
-            drafting, copying = self.gate.choose_sources(matches, live)
-        drafting = drafting and bool((live & ~copying).any())
-        proposal = propose(self.params, self.cache, self.tokens, self._sampling) if drafting else None
-        return proposal, copying & live
-
-    def _plan(self, proposal, copies: list, copying: np.ndarray, drafting: np.ndarray, live: np.ndarray,
-              fresh: np.ndarray):
-        """Verify width, per-row proposal lengths and the per-slot rates
-        planned with: the draft's confidences, or a copy's measured rates."""
-        if proposal is None and not copying.any():
-            return 1, np.zeros(self.batch, np.int32), None
-        confidences = np.zeros((self.batch, self.params.spec.block_size))
-        if proposal is not None:
-            confidences = _sigmoid(proposal.confidence_logits)
-            confidences[fresh] = 0.0
-        for row in np.flatnonzero(copying):
-            confidences[row, : self.slots] = self.rates.acceptance[copies[row].match]
-        proposing = (drafting | copying) if self.copying else None
-        width, limits = self.policy.plan(confidences, live, proposing, copying)
-        limits[fresh] = 0
-        return width, limits, confidences
-
-    def step(self) -> Step:
-        """One round over the live rows (rows that ended in the last step are freed first)."""
-        self._release_ended()
-        live = self.live
-        if not live.any():
-            raise ValueError("no row is generating: insert a prompt first")
-        fresh = np.array([row is not None and row.fresh for row in self.rows]) & live & (not self.copying)
-        copies = self._copies(live)
-        proposal, copying = self._sources(copies, live)
-        drafting = np.zeros(self.batch, bool) if proposal is None else live & ~copying & ~fresh
-        width, limits, confidences = self._plan(proposal, copies, copying, drafting, live, fresh)
-        committed = self.committed
-        self.ensure_capacity(int(committed[live].max()) + width)
-        check_writes(committed, width, self.cache.capacity, f"a verify of width {width}")  # every row writes
-        if width == 1:
-            proposal = no_proposal(self.batch)
-        elif proposal is None:
-            proposal = undrafted(self.params, self.batch, self._sampling.mode)
-        copied = Copies(tokens=_copy_tokens(copies, width - 1), rows=mx.array(copying)) if copying.any() else None
-        rows = np.flatnonzero(live).tolist()
-        scoring = any(self.rows[row].scoring is not None for row in rows)
-        self.cache, result = verify(
-            self.params, self.cache, self.tokens, proposal, width, sampling=self._sampling, limit=mx.array(limits),
-            active=mx.array(live), copies=copied, top_log_probs=TOP_LOG_PROBS if scoring else None, check_room=False,
-        )
-        self.tokens = result.next_tokens
-        self.proposal = self._next_proposal()
-        mx.eval(result, self.proposal, self.cache.length)
-        emitted, counts, accepted = result.emitted.tolist(), result.count.tolist(), result.accepted.tolist()
-        drafted = result.drafted.tolist()
-        for row in rows:
-            self.rows[row].committed += counts[row]
-        self._check_lengths()  # the lengths came with this round's evaluation: no extra synchronisation
-        kept = [emitted[row][: counts[row]] for row in rows]
-        self._learn(rows, kept, copies, accepted, limits, drafting, confidences)
-        scores = None
-        if scoring:
-            scores = token_scores(result.scores, rows, [counts[row] for row in rows],
-                                  [self.rows[row].scoring for row in rows])
-        for entry in self.rows:
-            if entry is not None:
-                entry.fresh = False
-        return Step(
-            kind="round", rows=rows, emitted=[self.rows[row].cut(tokens) for row, tokens in zip(rows, kept)],
-            accepted=[accepted[row] for row in rows], drafted=[drafted[row][: limits[row]] for row in rows],
-            width=width, sources=["" if not limits[row] else "copy" if copying[row] else "draft" for row in rows],
-            finished=[self.rows[row].finish for row in rows], log_probs=scores,
-        )
-
-    def _learn(self, rows: list, committed: list, copies: list, accepted: list, limits, drafting, confidences):
-        """Index the committed tokens; measure the draft where rows verified it
-        and every copy against what was committed."""
-        if drafting.any():
-            self.rates.observe_drafts(np.array(accepted)[drafting], limits[drafting], confidences[drafting])
-        if self.copying:
-            self.rates.observe_copies([copies[row].match for row in rows], [copies[row].tokens for row in rows],
-                                      committed)
-            for row, tokens in zip(rows, committed):
-                self.rows[row].index.extend(tokens)
 
 
 def generate(
@@ -400,7 +458,9 @@ def generate(
     proposals: str = "auto",
 ) -> Iterator[Event]:
     """DSpark generation for one prompt or a batch of prompts (a list of
-    token lists), one ``Event`` per row per step.
+    token lists; a prompt with images is an ``ImagePrompt``, from
+    ``vision.image_prompt``), one ``Event`` per sequence per step, tagged
+    with its prompt's index.
 
     ``width``: "auto" (default: draft only when the measured acceptance and
     costs say it pays, then Algorithm 1 picks the length), an int (fixed) or
@@ -409,11 +469,11 @@ def generate(
     rows' proposals come from, "auto" (default: under the "auto" width, per
     row and round the draft or a copy of an earlier stretch of the row's
     context, whichever is expected to pay more), "draft" or "copy" (see
-    ``Decoder``). ``sampling`` is one ``Sampling`` for every row or one per row; row b draws with its own
+    ``schedule.Planner``). ``sampling`` is one ``Sampling`` for every row or one per row; row b draws with its own
     seed (derived from ``seed`` and b). Greedy output equals greedy decoding
     of the target alone, row by row; sampled output is distributed as
-    sampling the target alone. Rows that finish stop emitting while the
-    others go on. ``capacity`` fixes the cache size; by default the cache
+    sampling the target alone. Sequences that finish stop emitting while
+    the others go on. ``capacity`` fixes the cache size; by default the cache
     grows in ``capacity_for`` buckets with the context.
     """
     rows = as_rows(prompt)
@@ -424,8 +484,8 @@ def generate(
         seed=seed, cost_sampling=sampling, proposals=proposals,
     )
     if capacity is not None:
-        _initial_capacity(rows, max_new_tokens, decoder.policy.max_width, capacity)
-    step = decoder.start(rows, sampling, max_new_tokens=max_new_tokens, stop_tokens=stop_tokens)
+        _initial_capacity(rows, max_new_tokens, decoder.planner.max_width, capacity)
+    step = decoder.start(rows, sampling, tags=range(len(rows)), max_new_tokens=max_new_tokens, stop_tokens=stop_tokens)
     yield from step.events()
     while decoder.busy:
         yield from decoder.step().events()

@@ -10,11 +10,28 @@ retraces. So is where a row's proposal comes from: the draft's, or a copy
 of its own context (``Copies``, a point mass); a round of copies alone
 skips the draft kernel. Prompts enter through ``prefilling.py``; the cache's
 life between rounds is ``buffers.py``.
+
+A constraint (a grammar the output must follow) enters both kernels as data:
+bits of the tokens each position allows (``sampling.allowed_tokens``), all
+ones for rows without one, so one kernel serves every grammar and rows with
+and without constraints share a batch. The host builds them
+(``constraints.py``): the verify's position ``j`` allows what the grammar
+allows after the row's committed tokens and its first ``j`` proposals, so
+every verified position reads the target's constrained distribution. The
+draft's masks must be known before it runs, i.e. they cannot depend on the
+tokens it drafts: slot ``k``'s distribution ``q_k`` is the draft's under
+whatever mask slot ``k`` was given, and that same ``q_k`` is what the verify
+divides by, so any such mask keeps rejection sampling exact (the host gives
+the first slot the grammar's mask after the anchor and leaves the later
+slots open; a later draft the grammar refuses is rejected, its probability
+under the constrained target being 0).
 """
 
 from functools import lru_cache
+from typing import Callable
 
 import mlx.core as mx
+import numpy as np
 
 from . import rng
 from .accept import Verdict, accept
@@ -23,37 +40,46 @@ from .cache import Cache, settle
 from .drafts.heads import DRAFT_VOCAB_KEY, draft_chain
 from .kernel import compiled
 from .rng import uniforms
-from .sampling import GREEDY, Mode, RowSampling, batch_sampling, choose, log_probs, token_log_probs
+from .sampling import (GREEDY, Mode, RowSampling, allowed_tokens, batch_sampling, choose, log_probs, mask_bits,
+                       token_log_probs)
 from .types import Copies, DraftBlock, PairSpec, Params, Proposal, Round, TokenLogProbs
 
 # ---- 1. draft: a block after each row's anchor, from the target's features in the draft's context
 
 
-def draft_block(params: Params, cache: Cache, tokens: mx.array, sampling=GREEDY) -> DraftBlock:
+def draft_block(params: Params, cache: Cache, tokens: mx.array, sampling=GREEDY, masks=None) -> DraftBlock:
     """Draft a block after the anchors ``tokens [B]``: the Markov chain picks
     each slot by argmax, or draws it from the row's ``sampling`` distribution
-    (one ``Sampling`` for all rows or one per row). Runs eagerly and returns
-    everything the pass computed; ``propose`` is the compiled round's draft."""
-    return _draft(params, cache, tokens, *batch_sampling(sampling, tokens.shape[0]))
+    (one ``Sampling`` for all rows or one per row), among the tokens each
+    slot's ``masks`` allow (bits ``[B, G, ceil(V/32)]``, default all). Runs
+    eagerly and returns everything the pass computed; ``propose`` is the
+    compiled round's draft."""
+    masks = mask_bits(masks, (tokens.shape[0], params.spec.block_size), params.spec.target.vocab_size)
+    return _draft(params, cache, tokens, *batch_sampling(sampling, tokens.shape[0]), masks)
 
 
-def _draft(params: Params, cache: Cache, tokens: mx.array, rows: RowSampling, mode: Mode) -> DraftBlock:
+def _draft(params: Params, cache: Cache, tokens: mx.array, rows: RowSampling, mode: Mode,
+           masks: mx.array) -> DraftBlock:
     spec = params.spec
     batch = tokens.shape[0]
     mask = mx.full((batch, spec.block_size - 1), spec.draft.mask_token_id, tokens.dtype)
     block_ids = mx.concatenate([tokens[:, None], mask], axis=1)
     base, hidden = spec.draft_arch.block_forward(spec.draft, params.draft, cache.draft, cache.length, block_ids)
     vocab = params.draft.get(DRAFT_VOCAB_KEY)  # target id of each draft-vocabulary entry
+    allowed = allowed_tokens(masks, spec.target.vocab_size)  # [B, G, V]
+    if vocab is not None:  # a slot whose allowed tokens all lie outside the draft's vocabulary stays open
+        allowed = allowed[..., vocab]
+        allowed = allowed | ~allowed.any(axis=-1, keepdims=True)
 
     def pick(logits, slot):
         draws = uniforms(cache.seeds, cache.length, rng.DRAFT_SLOT + slot, logits.shape[1:]) if mode.sampled else None
-        choice = choose(logits, rows, mode, draws)
+        choice = choose(logits, rows, mode, draws, allowed[:, slot])
         return (choice if vocab is None else vocab[choice]).astype(tokens.dtype)
 
     drafted, logits, confidence = draft_chain(spec.draft, params.draft, base, hidden, tokens, pick)
     distribution = logits
-    if mode.sampled:
-        distribution = log_probs(logits, rows, mode)
+    if mode.sampled:  # q: the distribution each slot was drawn from, under its mask
+        distribution = log_probs(logits, rows, mode, allowed)
         if vocab is not None:  # no mass outside the draft vocabulary
             full = mx.full((*distribution.shape[:-1], spec.target.vocab_size), -mx.inf, distribution.dtype)
             full[..., vocab] = distribution
@@ -67,14 +93,18 @@ def _draft(params: Params, cache: Cache, tokens: mx.array, rows: RowSampling, mo
 
 def verify_and_commit(params: Params, cache: Cache, block: mx.array, draft_log_probs: mx.array | None,
                       rows: RowSampling, mode: Mode, limit: mx.array | None = None,
-                      active: mx.array | None = None) -> tuple[Cache, Verdict, mx.array]:
+                      active: mx.array | None = None,
+                      allowed: mx.array | None = None) -> tuple[Cache, Verdict, mx.array]:
     """Run the target on ``block = [anchor, drafts...]``, accept, and commit.
 
     Every row's K/V and draft context are written; the new ``length`` keeps
     only the anchor and the accepted drafts, which is the whole rollback
     (recurrent layers settle on the state after those same tokens).
     ``limit [B]`` caps each row's accepted drafts; ``active [B]`` rows that
-    are False commit nothing. Returns ``(cache, verdict, target logits [B, W, V])``.
+    are False commit nothing (a recurrent state settles on the one before
+    the call); ``allowed [B, W, V]`` (default all) constrains each
+    position's target distribution. Returns ``(cache, verdict, target
+    logits [B, W, V])`` (the logits before the constraint).
     """
     spec = params.spec
     adapter = spec.target_adapter
@@ -89,7 +119,7 @@ def verify_and_commit(params: Params, cache: Cache, block: mx.array, draft_log_p
             uniforms(cache.seeds, cache.length, rng.CORRECTION, (logits.shape[-1],)),
         )
 
-    verdict = accept(block, logits, draft_log_probs, rows, mode, draws, limit)
+    verdict = accept(block, logits, draft_log_probs, rows, mode, draws, limit, allowed)
     if active is not None:  # rows that finished keep their anchor and emit nothing
         verdict = Verdict(
             accepted=mx.where(active, verdict.accepted, 0),
@@ -116,8 +146,8 @@ def point_mass(tokens: mx.array, vocab_size: int) -> mx.array:
 
 @lru_cache(maxsize=None)
 def _draft_kernel(spec: PairSpec, mode: Mode):
-    def draft_(target, draft, cache: Cache, tokens, rows: RowSampling) -> Proposal:
-        return _draft(Params(spec, target, draft), cache, tokens, rows, mode).proposal()
+    def draft_(target, draft, cache: Cache, tokens, rows: RowSampling, masks) -> Proposal:
+        return _draft(Params(spec, target, draft), cache, tokens, rows, mode, masks).proposal()
 
     return compiled("draft", draft_)
 
@@ -125,18 +155,19 @@ def _draft_kernel(spec: PairSpec, mode: Mode):
 @lru_cache(maxsize=None)
 def _verify_kernel(spec: PairSpec, width: int, mode: Mode, top_log_probs: int | None = None):
     def verify_(target, draft, cache: Cache, tokens, drafts, draft_log_probs, copies: Copies, rows: RowSampling,
-                limit, active) -> tuple[Cache, Round]:
+                limit, active, masks) -> tuple[Cache, Round]:
         proposed = mx.where(copies.rows[:, None], copies.tokens, drafts[:, : width - 1])
         block = mx.concatenate([tokens[:, None], proposed], axis=1)
         if mode.sampled:
             copied = point_mass(copies.tokens, spec.target.vocab_size)
             draft_log_probs = mx.where(copies.rows[:, None, None], copied, draft_log_probs[:, : width - 1])
+        allowed = allowed_tokens(masks, spec.target.vocab_size)  # [B, W, V]: each position's constraint
         committed, verdict, logits = verify_and_commit(
-            Params(spec, target, draft), cache, block, draft_log_probs, rows, mode, limit, active
+            Params(spec, target, draft), cache, block, draft_log_probs, rows, mode, limit, active, allowed
         )
         scores = None
         if top_log_probs is not None:
-            scores = TokenLogProbs(*token_log_probs(logits, verdict.emitted, rows, mode, top_log_probs))
+            scores = TokenLogProbs(*token_log_probs(logits, verdict.emitted, rows, mode, top_log_probs, allowed))
         return committed, Round(emitted=verdict.emitted, count=committed.length - cache.length,
                                 next_tokens=verdict.next_tokens, accepted=verdict.accepted, drafted=block[:, 1:],
                                 scores=scores)
@@ -152,10 +183,12 @@ def check_width(spec: PairSpec, width: int) -> None:
         raise ValueError(f"verify width {width} must be in 1..{spec.block_size + 1}")
 
 
-def propose(params: Params, cache: Cache, tokens: mx.array, sampling=GREEDY) -> Proposal:
-    """The compiled draft: the ``Proposal`` of ``draft_block``."""
+def propose(params: Params, cache: Cache, tokens: mx.array, sampling=GREEDY, masks=None) -> Proposal:
+    """The compiled draft: the ``Proposal`` of ``draft_block`` (``masks``:
+    each slot's allowed tokens, ``[B, G, ceil(V/32)]`` bits, default all)."""
     rows, mode = batch_sampling(sampling, tokens.shape[0])
-    return _draft_kernel(params.spec, mode)(params.target, params.draft, cache, tokens, rows)
+    masks = mask_bits(masks, (tokens.shape[0], params.spec.block_size), params.spec.target.vocab_size)
+    return _draft_kernel(params.spec, mode)(params.target, params.draft, cache, tokens, rows, masks)
 
 
 def no_proposal(batch_size: int) -> Proposal:
@@ -176,11 +209,16 @@ def undrafted(params: Params, batch_size: int, mode: Mode) -> Proposal:
 
 def verify(params: Params, cache: Cache, tokens: mx.array, proposal: Proposal, width: int, *, sampling=GREEDY,
            limit: mx.array | None = None, active: mx.array | None = None, copies: Copies | None = None,
-           top_log_probs: int | None = None, check_room: bool = True) -> tuple[Cache, Round]:
+           top_log_probs: int | None = None, check_room: bool = True, masks=None) -> tuple[Cache, Round]:
     """Verify ``width`` tokens (anchor + the first ``width - 1`` drafts of
     ``proposal``), accept at most ``limit[b]`` drafts per row, commit.
     ``copies`` (default none) gives rows their own proposals instead of
     the draft's, each a point mass (certain) under rejection sampling.
+    ``masks`` (bits ``[B, width, ceil(V/32)]``, default all ones) constrain
+    each verified position: position ``j`` allows the tokens a row's grammar
+    allows after its anchor and its first ``j`` verified proposals
+    (``constraints.verify_masks`` builds them); acceptance, the residual draw,
+    the bonus token and ``scores`` all read the constrained distribution.
     ``top_log_probs`` (K, default none) fills the round's ``scores``: each
     emitted token's log-probability and the target's K most likely tokens at
     its position (``sampling.token_log_probs``), from the target logits the
@@ -205,33 +243,44 @@ def verify(params: Params, cache: Cache, tokens: mx.array, proposal: Proposal, w
     # Greedy rules never read the draft's distribution: a fixed stand-in keeps
     # one kernel whatever proposed (the draft's logits, or no draft at all).
     draft_log_probs = proposal.log_probs if mode.sampled else mx.zeros((0,))
+    masks = mask_bits(masks, (batch, width), params.spec.target.vocab_size)
     kernel = _verify_kernel(params.spec, width, mode, top_log_probs)
     return kernel(params.target, params.draft, cache, tokens, proposal.tokens.astype(mx.int32), draft_log_probs,
-                  copies._replace(tokens=copies.tokens.astype(mx.int32)), rows, limit, active)
+                  copies._replace(tokens=copies.tokens.astype(mx.int32)), rows, limit, active, masks)
 
 
 def speculate(params: Params, cache: Cache, tokens: mx.array, *, width: int | None = None, sampling=GREEDY,
-              limit: mx.array | None = None, active: mx.array | None = None) -> tuple[Cache, Round]:
+              limit: mx.array | None = None, active: mx.array | None = None,
+              masks: Callable[[np.ndarray], np.ndarray] | None = None, draft_masks=None) -> tuple[Cache, Round]:
     """One DSpark round from the anchors ``tokens [B]``: draft, verify ``width``
     tokens (anchor + ``width - 1`` drafts), accept, commit. ``sampling`` is one
     ``Sampling`` for every row or one per row.
 
+    Constrained rows: ``draft_masks`` (bits ``[B, G, ceil(V/32)]``) constrain
+    the draft's slots; ``masks`` maps the drafted tokens ``[B, width - 1]``
+    to the bits of every verified position (``verify``), e.g.
+    ``functools.partial(constraints.verify_masks, matchers, vocab_size=V)``;
+    it reads the drafted tokens from the device, between the two kernels.
+
     Returns ``(cache, Round)``; ``Round.next_tokens`` are the next anchors.
-    Only the room check reads from the device.
+    Without ``masks`` only the room check reads from the device.
     """
     width = params.spec.block_size + 1 if width is None else width
     check_width(params.spec, width)
-    proposal = propose(params, cache, tokens, sampling) if width > 1 else no_proposal(tokens.shape[0])
-    return verify(params, cache, tokens, proposal, width, sampling=sampling, limit=limit, active=active)
+    proposal = propose(params, cache, tokens, sampling, draft_masks) if width > 1 else no_proposal(tokens.shape[0])
+    verified = None if masks is None else masks(np.array(proposal.tokens[:, : width - 1]))
+    return verify(params, cache, tokens, proposal, width, sampling=sampling, limit=limit, active=active,
+                  masks=verified)
 
 
 def verify_block(params: Params, cache: Cache, block: mx.array, *, draft_log_probs: mx.array | None = None,
-                 sampling=GREEDY) -> tuple[Cache, Round]:
+                 sampling=GREEDY, masks=None) -> tuple[Cache, Round]:
     """Verify a caller-chosen ``block [B, W] = [anchor, proposals...]`` and commit.
 
     The same verify/accept/commit as ``speculate``, for proposals that do not
     come from the draft (replays, tests, external drafters). Sampling needs
-    the proposals' distribution ``draft_log_probs [B, W - 1, V]``.
+    the proposals' distribution ``draft_log_probs [B, W - 1, V]``. ``masks``
+    (bits ``[B, W, ceil(V/32)]``) constrain the verified positions (``verify``).
     """
     batch, width = block.shape
     if draft_log_probs is None:
@@ -239,4 +288,4 @@ def verify_block(params: Params, cache: Cache, block: mx.array, *, draft_log_pro
             raise ValueError("rejection sampling needs draft_log_probs, the distribution the proposals came from")
         draft_log_probs = mx.zeros((batch, width - 1, params.spec.target.vocab_size))
     proposal = Proposal(tokens=block[:, 1:], confidence_logits=mx.zeros((batch, width - 1)), log_probs=draft_log_probs)
-    return verify(params, cache, block[:, 0], proposal, width, sampling=sampling)
+    return verify(params, cache, block[:, 0], proposal, width, sampling=sampling, masks=masks)

@@ -1,8 +1,10 @@
 """Sampling settings and the distribution they define over the vocabulary.
 
-The same transform (temperature, then top-k, then top-p) is applied to the
-target's logits and to the draft's Markov-corrected logits, so rejection
-sampling compares the two distributions the tokens were really drawn from.
+The same transform (a constraint's mask, then temperature, then top-k, then
+top-p) is applied to the target's logits and to the draft's Markov-corrected
+logits, so rejection sampling compares the two distributions the tokens were
+really drawn from. A constraint enters as bits (``allowed_tokens``): the
+grammar's allowed tokens at each position, all ones where a row has none.
 Each row of a batch has its own settings (``RowSampling``, arrays); a kernel
 is compiled per ``Mode`` only (which kinds of rows and filters a batch has).
 """
@@ -11,6 +13,7 @@ from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
 import mlx.core as mx
+import numpy as np
 
 from .rng import gumbel_argmax
 
@@ -118,12 +121,59 @@ def keep_top_p(scores: mx.array, p: mx.array) -> mx.array:
     return mx.where((scores >= cutoff) | (_per_row(p, scores) >= 1), scores, -mx.inf)
 
 
-def log_probs(logits: mx.array, rows: RowSampling, mode: Mode) -> mx.array:
+MASK_BITS = 32  # tokens per word of a mask
+
+
+def mask_words(vocab_size: int) -> int:
+    """Words of a mask over ``vocab_size`` tokens: ``ceil(V / 32)``."""
+    return -(-vocab_size // MASK_BITS)
+
+
+def every_token(shape: tuple, vocab_size: int) -> mx.array:
+    """Bits ``[*shape, ceil(V / 32)]`` (uint32) allowing every token: the
+    mask of a row or position without a constraint."""
+    return mx.full((*shape, mask_words(vocab_size)), 0xFFFFFFFF, mx.uint32)
+
+
+def mask_bits(masks, shape: tuple, vocab_size: int) -> mx.array:
+    """Constraint bits ``[*shape, ceil(V / 32)]`` as the kernels read them:
+    uint32 (int32 bits, as grammar engines write them, are taken as they
+    are); ``None``: every token."""
+    if masks is None:
+        return every_token(shape, vocab_size)
+    if isinstance(masks, np.ndarray) and masks.dtype == np.int32:
+        masks = masks.view(np.uint32)
+    masks = mx.array(masks)
+    expected = (*shape, mask_words(vocab_size))
+    if tuple(masks.shape) != expected or masks.dtype not in (mx.uint32, mx.int32):
+        raise ValueError(f"constraint masks of shape {tuple(masks.shape)} ({masks.dtype}): these rows and "
+                         f"positions need bits of shape {expected}, uint32 (token v is bit v % 32 of word v // 32)")
+    return masks.view(mx.uint32) if masks.dtype == mx.int32 else masks
+
+
+def allowed_tokens(masks: mx.array, vocab_size: int) -> mx.array:
+    """``[..., V]`` bool from bits ``[..., ceil(V / 32)]`` (uint32): token
+    ``v`` is bit ``v % 32`` of word ``v // 32``. A position whose bits allow
+    nothing allows everything: the host never sends one (a grammar at a
+    dead end still allows its end of sequence), and a finite distribution
+    keeps the kernel's arithmetic finite."""
+    bits = (masks[..., None] >> mx.arange(MASK_BITS, dtype=mx.uint32)) & 1
+    allowed = bits.reshape(*masks.shape[:-1], -1)[..., :vocab_size].astype(mx.bool_)
+    return allowed | (masks == 0).all(axis=-1, keepdims=True)
+
+
+def constrained(logits: mx.array, allowed: mx.array | None) -> mx.array:
+    """``logits`` with the tokens ``allowed [..., V]`` excludes at -inf."""
+    return logits if allowed is None else mx.where(allowed, logits, -mx.inf)
+
+
+def log_probs(logits: mx.array, rows: RowSampling, mode: Mode, allowed: mx.array | None = None) -> mx.array:
     """Log-probabilities ``[B, ..., V]`` of the distribution each drawing row
-    samples from (temperature, then top-k, then top-p); greedy rows get their
-    untempered softmax, which no rule reads."""
+    samples from (the constraint's mask ``allowed [B, ..., V]``, then
+    temperature, then top-k, then top-p); greedy rows get the softmax of
+    their constrained logits, which no rule reads."""
     temperature = _per_row(rows.temperature, logits)
-    scores = logits.astype(mx.float32) / mx.where(temperature > 0, temperature, 1.0)
+    scores = constrained(logits.astype(mx.float32), allowed) / mx.where(temperature > 0, temperature, 1.0)
     if mode.top_k:
         scores = keep_top_k(scores, rows.top_k)
     if mode.top_p:
@@ -131,13 +181,15 @@ def log_probs(logits: mx.array, rows: RowSampling, mode: Mode) -> mx.array:
     return scores - mx.logsumexp(scores, axis=-1, keepdims=True)
 
 
-def token_log_probs(logits: mx.array, tokens: mx.array, rows: RowSampling, mode: Mode, top: int):
+def token_log_probs(logits: mx.array, tokens: mx.array, rows: RowSampling, mode: Mode, top: int,
+                    allowed: mx.array | None = None):
     """``(log_probs [B, ...], top_ids [B, ..., top], top_log_probs [B, ..., top])``:
     each token's log-probability under the distribution its row chooses from
-    (``log_probs``: a drawing row's tempered, filtered one; a greedy row's
-    softmax of the logits), and that distribution's ``top`` most likely
-    tokens, most likely first. ``tokens`` of -1 (no token) get 0."""
-    scores = log_probs(logits, rows, mode)
+    (``log_probs``: a drawing row's constrained, tempered, filtered one; a
+    greedy row's softmax of the constrained logits), and that distribution's
+    ``top`` most likely tokens, most likely first. ``tokens`` of -1 (no
+    token) get 0."""
+    scores = log_probs(logits, rows, mode, allowed)
     chosen = mx.take_along_axis(scores, mx.maximum(tokens, 0)[..., None], axis=-1)[..., 0]
     ids = mx.argpartition(-scores, kth=top - 1, axis=-1)[..., :top]
     values = mx.take_along_axis(scores, ids, axis=-1)
@@ -146,13 +198,15 @@ def token_log_probs(logits: mx.array, tokens: mx.array, rows: RowSampling, mode:
     return mx.where(tokens >= 0, chosen, 0.0), ids.astype(mx.int32), values
 
 
-def choose(logits: mx.array, rows: RowSampling, mode: Mode, uniforms: mx.array | None) -> mx.array:
-    """One token per row of ``logits [B, ..., V]``: the argmax for greedy rows,
-    a draw (Gumbel-max over ``uniforms`` of the same shape) for the others."""
-    best = mx.argmax(logits, axis=-1).astype(mx.int32)
+def choose(logits: mx.array, rows: RowSampling, mode: Mode, uniforms: mx.array | None,
+           allowed: mx.array | None = None) -> mx.array:
+    """One token per row of ``logits [B, ..., V]`` among those ``allowed``
+    (default all): the argmax for greedy rows, a draw (Gumbel-max over
+    ``uniforms`` of the same shape) for the others."""
+    best = mx.argmax(constrained(logits, allowed), axis=-1).astype(mx.int32)
     if not mode.sampled:
         return best
-    drawn = gumbel_argmax(log_probs(logits, rows, mode), uniforms)
+    drawn = gumbel_argmax(log_probs(logits, rows, mode, allowed), uniforms)
     if not mode.greedy:
         return drawn
     return mx.where(_per_row(rows.temperature, best) > 0, drawn, best)

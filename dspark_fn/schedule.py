@@ -1,4 +1,7 @@
-"""How many drafted tokens to verify each round (spec §5 and §7).
+"""What each round does: whether it drafts, which rows verify a copy, how
+many proposals each row verifies and at what width (spec §5 and §7), all
+decided by one ``Planner`` from measured rates and costs and learned back
+in one place.
 
 A round drafts the whole block, then the host reads the confidences
 ``c_k`` and picks each row's proposal length ``limit_r`` and the verify
@@ -28,16 +31,17 @@ steps. For one row this is exactly the paper's Algorithm 1 (its candidates,
 sorted by ``a``, are the slots in order). Rows a bucket rounds up past their
 ``limit`` verify those extra drafts for free but do not keep them.
 
-Where the decision sits: ``generate`` evaluates the verify of round r and
-the draft of round r + 1 together (one host sync per round), then plans
-round r + 1 from that draft's own confidences before launching its verify.
-So the width follows the current proposal (the paper's Algorithm 1), not a
-lagged one, at no extra sync. The round cost is ``draft + verify(width)``.
+Where the decision sits: with the draft as the only source (``Planner.ahead``)
+the driver evaluates the verify of round r and the draft of round r + 1
+together (one host sync per round), then plans round r + 1 from that
+draft's own confidences before launching its verify. So the width follows
+the current proposal (the paper's Algorithm 1), not a lagged one, at no
+extra sync. The round cost is ``draft + verify(width)``.
 
-Whether to draft at all (``DraftGate``, the "auto" policy): a round that
+Whether to draft at all (``Planner.sources`` under "auto"): a round that
 does not draft costs one plain target step, ``verify(1)``, and still writes
 the draft's context, so drafting can resume at once. Before launching the
-draft of round r + 1 the gate compares, from what rounds up to r - 1 showed,
+draft of round r + 1 the planner compares, from what rounds up to r - 1 showed,
 
     max_ℓ (1 + Σ_{k<=ℓ} Π_{i<=k} α_i) / (draft + verify(bucket(ℓ + 1)))   vs   1 / verify(1)
 
@@ -46,7 +50,7 @@ where ``α_k`` is the measured rate at which slot k was accepted when slots
 average with weight ``ACCEPTANCE_EMA``), and the costs are the measured
 curve. Drafting that pays continues; otherwise the round is plain, and a
 probe round drafts again after 1, 2, 4, ... up to ``PROBE_LIMIT`` plain
-rounds, so a stretch of easy text is found at a bounded cost. The gate
+rounds, so a stretch of easy text is found at a bounded cost. The decision
 reads only finished rounds, never the tokens of the round it decides, so
 it changes the speed, not the output.
 
@@ -55,10 +59,13 @@ earlier stretch of its own context (``copying``) instead of the draft. A
 copy costs no draft pass. ``SlotRates`` measures ``α_k`` per source: the
 draft's as above, and copies' per length of the ending they matched, each
 copy scored against the tokens its row committed whether it was verified
-or not. Before a round the gate rates it without the draft pass (rows with
-a copy verify it) and with it (each row takes the better of its copy and
-the draft), each at its best slot level, and drafts only when that is
-faster (or a probe is due). A copy is a function of the committed tokens
+or not. Before a round the planner rates it without the draft pass (rows
+with a copy verify it) and with it (each row takes the better of its copy
+and the draft), each at its best slot level, and drafts only when that is
+faster (or a probe is due); with the draft alone the same comparison has
+no copies in it. Copies need the previous round's tokens, so with copies
+the sources are chosen at the start of the round, and a round that drafts
+reads its draft's confidences before planning (a second host sync). A copy is a function of the committed tokens
 and its rates are measured on finished rounds: choosing it never looks at
 the round's own draws, and its slots enter Algorithm 1 with survival
 ``Π_{i<=k} α_i``, which depends on no token of the round. (A fixed width
@@ -66,7 +73,7 @@ drafts every round, so it proposes copies only with ``proposals="copy"``.)
 """
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -129,47 +136,6 @@ def scheduled_length(survival: np.ndarray, costs: CostCurve, buckets: tuple) -> 
             break
         best, length = value, level
     return length
-
-
-@dataclass(frozen=True)
-class VerifyPolicy:
-    """Turns one round's draft confidences into ``(width, limits)``."""
-
-    max_width: int
-    buckets: tuple
-    threshold: float = 0.0
-    costs: CostCurve | None = None  # set: choose the length by Algorithm 1 ("auto")
-
-    def plan(self, confidences: np.ndarray, active: np.ndarray, proposing: np.ndarray | None = None,
-             copying: np.ndarray | None = None) -> tuple[int, np.ndarray]:
-        """``confidences [B, G]`` (sigmoid of the confidence logits; a row that
-        verifies a copy holds its slots' measured rates), ``active [B]`` rows
-        still generating, ``proposing [B]`` (default all) rows with something
-        to verify, ``copying [B]`` (default none) rows verifying a copy (the
-        confidence threshold is the draft's) -> verify width and per-row
-        proposal lengths."""
-        batch, slots = confidences.shape
-        limits = np.full(batch, self.max_width - 1)
-        if proposing is not None:
-            limits = np.where(proposing, limits, 0)
-        if self.threshold > 0:
-            cut = np.minimum(limits, threshold_lengths(confidences, self.threshold))
-            limits = cut if copying is None else np.where(copying, limits, cut)
-        if self.costs is not None:
-            allowed = np.arange(slots)[None, :] < limits[:, None]
-            survival = np.cumprod(confidences, axis=1) * allowed
-            length = scheduled_length(survival[active][:, : self.max_width - 1], self.costs, self.buckets)
-            limits = np.minimum(limits, length)
-        widest = int(limits[active].max()) if active.any() else 0
-        return bucket_for(widest + 1, self.buckets), limits.astype(np.int32)
-
-    def gate(self, rates: "SlotRates | None" = None) -> "DraftGate | None":
-        """A fresh gate for one generation under "auto" (learning into
-        ``rates``, default its own); ``None`` for fixed widths, which draft
-        every round (``max_width > 1``) or never."""
-        if self.costs is None or self.max_width == 1:
-            return None
-        return DraftGate.start(self.costs, self.buckets, self.max_width - 1, rates)
 
 
 ACCEPTANCE_EMA = 0.2
@@ -266,45 +232,125 @@ def source_speeds(rates: SlotRates, matches: np.ndarray, active: np.ndarray, cos
     return SourceSpeeds(float(drafting[level]), float(without.max()), (matches > 0) & (copy[:, level] >= draft[level]))
 
 
-@dataclass
-class DraftGate:
-    """Host-side memory of the "auto" policy: the measured rates (``SlotRates``,
-    shared with the decoder) and the probe schedule. ``draft_next`` decides
-    the coming round when the draft is the only source, ``choose_sources``
-    when copies stand beside it; ``observe`` learns from a drafted round."""
 
-    costs: CostCurve
-    buckets: tuple
-    rates: SlotRates
-    plain_rounds: int = 0
-    probe_interval: int = 1
+PROPOSALS = ("auto", "draft", "copy")  # where rows' proposals come from: chosen per row and round, or one source
 
-    @classmethod
-    def start(cls, costs: CostCurve, buckets: tuple, max_drafts: int, rates: SlotRates | None = None) -> "DraftGate":
-        return cls(costs, buckets, rates if rates is not None else SlotRates.start(max_drafts))
+
+class Sources(NamedTuple):
+    """What a round proposes from, chosen before its draft pass."""
+
+    draft: bool  # the round runs the draft pass
+    copying: np.ndarray  # [B] rows that verify their copy instead of the draft
+
+
+class Plan(NamedTuple):
+    """What a round verifies: its width and each row's proposal."""
+
+    width: int  # the verify width, a compiled bucket
+    limits: np.ndarray  # [B] int32: the proposals a row may keep (0: none, a plain target step)
+    drafting: np.ndarray  # [B] rows verifying the draft
+    copying: np.ndarray  # [B] rows verifying their copy
+    confidences: np.ndarray | None  # [B, G] per slot, the chance planned with: the draft's confidence, or
+    #                                 a copy's measured acceptance; None when nothing was proposed
+
+    def source(self, row: int) -> str:
+        """What row ``row`` verified: "draft", "copy" or "" (nothing: a plain target step)."""
+        return "" if not self.limits[row] else "copy" if self.copying[row] else "draft"
+
+
+CostSource = Callable[[int, tuple], CostCurve]  # (batch size, verify widths) -> the measured cost curve
+
+
+class Planner:
+    """What each round does, decided in one place from measured rates and
+    costs, and learned back in one place.
+
+    Settings: ``width`` ("auto": draft when it pays, Algorithm 1 picks the
+    width; an int: that width every round; None: the whole block every
+    round), ``proposals`` ("auto", "draft" or "copy") and ``threshold`` (a
+    draft ends at its first slot of lower confidence). ``costs``: the cost
+    curve (the same for every batch size) or a function measuring it per
+    batch size; read only under "auto".
+
+    State: the measured rates (``SlotRates``), the probe schedule and the
+    cost curve of each batch size the batch has had (``resize``).
+
+    A round asks ``sources`` (whether it drafts, which rows verify a copy),
+    then ``plan`` (the width and each row's limit, from the draft's
+    confidences and the copies' rates), and once its tokens are known
+    ``learn``. With the draft as the only source (``ahead``) a round's
+    sources are chosen during the round before, so its draft is evaluated
+    with that round's verify; with copies they are chosen once the previous
+    round's tokens are known, since the copies are made from them. Another
+    source of point-mass proposals (a copy is one) enters as another kind of
+    ``SlotRates`` and another mask beside ``copying``.
+    """
+
+    def __init__(self, block_size: int, *, width="auto", proposals: str = "auto", threshold: float = 0.0,
+                 costs: "CostCurve | CostSource | None" = None, batch: int = 1):
+        if not (width is None or width == "auto" or (isinstance(width, int) and not isinstance(width, bool))):
+            raise ValueError(f"verify width must be an integer, None or 'auto', got {width!r}")
+        if proposals not in PROPOSALS:
+            raise ValueError(f"proposals must be one of {', '.join(PROPOSALS)}, got {proposals!r}")
+        self.auto = width == "auto"
+        self.max_width = block_size + 1 if width is None or self.auto else width
+        if not 1 <= self.max_width <= block_size + 1:
+            raise ValueError(f"verify width {self.max_width} must be in 1..{block_size + 1}")
+        if self.auto and costs is None:
+            raise ValueError("width 'auto' plans from a cost curve: give costs (a CostCurve, or a function that "
+                             "measures one)")
+        self.block_size, self.proposals, self.threshold = block_size, proposals, threshold
+        self.buckets = width_buckets(block_size, self.max_width)
+        self.copies = self.max_width > 1 and (proposals == "copy" or (proposals == "auto" and self.auto))
+        self._measure = costs if callable(costs) else (lambda batch, buckets: costs)
+        self.curves: dict = {}  # batch size -> its cost curve
+        self.batch = batch
+        self.resize(batch)
+        self.reset()
 
     @property
-    def acceptance(self) -> np.ndarray:
-        """``[G]`` the draft's alpha_k."""
-        return self.rates.acceptance[DRAFTED]
+    def ahead(self) -> bool:
+        """Whether a round's sources are chosen during the round before (the draft is the only source)."""
+        return not self.copies
 
     @property
-    def observed(self) -> np.ndarray:
-        return self.rates.observed[DRAFTED]
+    def costs(self) -> CostCurve | None:
+        """The running batch size's cost curve under "auto" (None for a fixed width)."""
+        return self.curves[self.batch] if self.auto else None
 
-    def expected_speed(self) -> tuple[float, float]:
-        """``(drafting, plain)`` tokens per second predicted for the next round."""
-        emitted = 1 + np.cumsum(np.cumprod(self.acceptance))
-        drafting = max(
-            emitted[drafts - 1] / self.costs.round_cost(bucket_for(drafts + 1, self.buckets))
-            for drafts in range(1, len(emitted) + 1)
-        )
-        return drafting, 1 / self.costs.verify[bucket_for(1, self.buckets)]
+    def resize(self, batch: int) -> None:
+        """Plan for a batch of ``batch`` rows: its cost curve (measured on
+        first use); what was measured of the proposals holds at any size."""
+        if self.auto and batch not in self.curves:
+            self.curves[batch] = self._measure(batch, self.buckets)
+        self.batch = batch
 
-    def draft_next(self) -> bool:
-        return self.decide(*self.expected_speed())
+    def reset(self) -> None:
+        """Forget the measured rates and the probe schedule: a sequence
+        that runs alone from here follows the same decisions, so its seeded
+        samples repeat."""
+        self.rates = SlotRates.start(self.max_width - 1)
+        self.plain_rounds, self.probe_interval = 0, 1
 
-    def decide(self, drafting: float, without: float) -> bool:
+    def sources(self, matches: np.ndarray, live: np.ndarray) -> Sources:
+        """Whether the coming round drafts, and the rows that verify their
+        copy (``matches [B]``: the length of the ending each row's copy
+        matched, 0 without one). Reads finished rounds and the committed
+        tokens only, never the round it decides."""
+        matched = (matches > 0) & live
+        if self.max_width == 1:
+            return Sources(False, np.zeros_like(live))
+        if self.proposals == "copy":
+            return Sources(False, matched)
+        if not self.auto:  # a fixed width drafts every round
+            return Sources(True, np.zeros_like(live))
+        speeds = source_speeds(self.rates, matches, live, self.costs, self.buckets, self.max_width - 1)
+        if not self._draft_pays(speeds.drafting, speeds.without):
+            return Sources(False, matched)
+        copying = speeds.copying & live
+        return Sources(bool((live & ~copying).any()), copying)
+
+    def _draft_pays(self, drafting: float, without: float) -> bool:
         """Draft when that is predicted faster; otherwise probe after 1, 2,
         4, ... up to ``PROBE_LIMIT`` rounds without it."""
         if drafting > without:
@@ -317,15 +363,39 @@ class DraftGate:
         self.plain_rounds += 1
         return False
 
-    def choose_sources(self, matches: np.ndarray, active: np.ndarray) -> tuple[bool, np.ndarray]:
-        """Whether the coming round drafts, and the rows that verify their
-        copy (``matches [B]``: the length of each row's matched ending, 0
-        without a copy). Reads finished rounds and the committed tokens only."""
-        speeds = source_speeds(self.rates, matches, active, self.costs, self.buckets, len(self.acceptance))
-        if self.decide(speeds.drafting, speeds.without):
-            return True, speeds.copying
-        return False, matches > 0
+    def plan(self, draft_confidences: np.ndarray | None, matches: np.ndarray, sources: Sources, live: np.ndarray,
+             fresh: np.ndarray) -> Plan:
+        """The round's width and limits. ``draft_confidences [B, G]``: the
+        sigmoid of the draft's confidence logits, None without a draft; ``fresh
+        [B]``: live rows the draft does not cover (they joined after it was
+        made). A copying row's slots are rated by its match length; the
+        threshold cuts drafts only; Algorithm 1 ("auto") reads the live rows."""
+        copying = sources.copying
+        drafting = live & ~copying & ~fresh if draft_confidences is not None else np.zeros_like(live)
+        proposing = drafting | copying
+        if not proposing.any():
+            return Plan(1, np.zeros(len(live), np.int32), drafting, copying, None)
+        confidences = np.zeros((len(live), self.block_size)) if draft_confidences is None else draft_confidences.copy()
+        for row in np.flatnonzero(copying):
+            confidences[row, : self.max_width - 1] = self.rates.acceptance[matches[row]]
+        limits = np.where(proposing, self.max_width - 1, 0)
+        if self.threshold > 0:
+            limits = np.where(copying, limits, np.minimum(limits, threshold_lengths(confidences, self.threshold)))
+        if self.auto:
+            allowed = np.arange(confidences.shape[1])[None, :] < limits[:, None]
+            survival = np.cumprod(confidences, axis=1) * allowed
+            limits = np.minimum(limits, scheduled_length(survival[live][:, : self.max_width - 1], self.costs,
+                                                         self.buckets))
+        widest = int(limits[live].max())
+        return Plan(bucket_for(widest + 1, self.buckets), limits.astype(np.int32), drafting, copying, confidences)
 
-    def observe(self, accepted: np.ndarray, limits: np.ndarray, confidences: np.ndarray) -> None:
-        """A drafted round (see ``SlotRates.observe_drafts``)."""
-        self.rates.observe_drafts(accepted, limits, confidences)
+    def learn(self, plan: Plan, accepted: np.ndarray, copies: list, committed: list) -> None:
+        """A finished round: the draft's rates from the rows that verified it
+        (``accepted [B]``), and every row's copy (``copies[b]``, a
+        ``copying.Copy``) scored against the tokens it committed
+        (``committed[b]``), whether the round verified that copy or not."""
+        if plan.drafting.any():
+            rows = plan.drafting
+            self.rates.observe_drafts(accepted[rows], plan.limits[rows], plan.confidences[rows])
+        if self.copies:
+            self.rates.observe_copies([copy.match for copy in copies], [copy.tokens for copy in copies], committed)

@@ -24,6 +24,14 @@ class Tally:
     slot_accepted: list = field(default_factory=list)
     by_source: dict = field(default_factory=dict)  # source name -> Tally of its rounds
 
+    @classmethod
+    def of(cls, events: Iterable) -> "Tally":
+        """The totals of a stream of ``Event``s."""
+        tally = cls()
+        for event in events:
+            tally.count(event)
+        return tally
+
     def count(self, event) -> None:
         """A step's ``Event`` for one row: a round adds its tokens, accepted
         and verified proposals under its source; a prefill adds nothing."""
@@ -129,8 +137,7 @@ def combined(parts: Iterable[Tally]) -> Tally:
 class DecodeClock:
     """The steady decoding speed of a stream of ``generate`` events.
 
-    A round's work happens while its first event is produced (one host sync
-    a round); the prefill and every round in which a kernel was traced (the
+    A round's work happens while its first event is produced; the prefill and every round in which a kernel was traced (the
     one-off compilation) are left out, so the number is what a person
     waiting on a warm model sees. ``trace_count`` reads the total traces.
     """
@@ -140,7 +147,7 @@ class DecodeClock:
         self.tokens = 0
         self.seconds = 0.0
         self._counted = False
-        self._last_row = None
+        self._last_tag = None
 
     def watch(self, events: Iterable) -> Iterator:
         iterator = iter(events)
@@ -152,11 +159,11 @@ class DecodeClock:
                 return
             spent = time.perf_counter() - start
             if event.kind == "round":
-                if self._last_row is None or event.row <= self._last_row:  # rows come in order within a round
+                if self._last_tag is None or event.tag <= self._last_tag:  # generate's tags ascend within a round
                     self._counted = self.trace_count() == traces
                     self.seconds += spent if self._counted else 0.0
                 self.tokens += len(event.emitted) if self._counted else 0
-                self._last_row = event.row
+                self._last_tag = event.tag
             yield event
 
     @property

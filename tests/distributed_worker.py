@@ -77,7 +77,7 @@ def run(case: Path, pipeline: bool, drive: bool) -> dict:
                           ("sampled", sampled)):
         report[name] = speculative_tokens(sharded, PROMPTS[0], NEW_TOKENS, **options)
         report[f"{name}_whole"] = speculative_tokens(whole, PROMPTS[0], NEW_TOKENS, **options)
-    batch = [[t for e in dspark_fn.generate(params, PROMPTS, NEW_TOKENS) if e.row == row for t in e.emitted]
+    batch = [[t for e in dspark_fn.generate(params, PROMPTS, NEW_TOKENS) if e.tag == row for t in e.emitted]
              for params in (sharded, whole) for row in range(len(PROMPTS))]
     report["batched"], report["batched_whole"] = batch[: len(PROMPTS)], batch[len(PROMPTS) :]
     if drive:  # checks every round keeps exactly the right prefix of mlx-lm's greedy stream

@@ -1,4 +1,13 @@
-"""Batched speculation: rows of different lengths decode side by side, each as if alone."""
+"""Batched speculation: rows of different lengths decode side by side, each as if alone; sequences enter
+and leave a ``Decoder`` by tag and come back, when they end, as one record each.
+
+Breaks tried, and the tests that catch them:
+- an ended sequence's cache cut at its committed count past what it emitted
+  (``Decoder._kept_cache`` without ``min``): its length passes the context,
+  test_an_ended_sequence_comes_back_as_one_record;
+- a released sequence's record left out of its last tokens (``Row.cut`` not
+  keeping what it cut): the same test.
+"""
 
 import json
 import subprocess
@@ -10,6 +19,8 @@ import pytest
 
 import dspark_fn
 from dspark_fn import CostCurve, Sampling
+from dspark_fn.buffers import capacity_for
+from dspark_fn.stats import Tally
 from helpers import (
     build_bigram_draft,
     build_pair,
@@ -47,7 +58,7 @@ def prompts():
 def rows_of(events, batch):
     streams = [[] for _ in range(batch)]
     for event in events:
-        streams[event.row] += event.emitted
+        streams[event.tag] += event.emitted
     return streams
 
 
@@ -70,8 +81,8 @@ def test_finished_rows_stop_while_the_others_go_on(pair, prompts):
     batched = rows_of(events, len(prompts))
     assert batched[0] == alone[0][: alone[0].index(stop) + 1]
     assert batched[1:] == alone[1:]
-    last_round_of_row_0 = max(i for i, e in enumerate(events) if e.row == 0)
-    assert any(e.row != 0 and e.kind == "round" for e in events[last_round_of_row_0 + 1 :])
+    last_round_of_row_0 = max(i for i, e in enumerate(events) if e.tag == 0)
+    assert any(e.tag != 0 and e.kind == "round" for e in events[last_round_of_row_0 + 1 :])
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +106,7 @@ def test_batched_rows_with_accepted_drafts_equal_the_target(accepted_pair, promp
     assert sum(e.accepted for e in rounds) > len(rounds) // 2
     per_round = {}
     for index, event in enumerate(rounds):  # events of one round come in row order
-        if event.row == 0 or index == 0 or event.row <= rounds[index - 1].row:
+        if event.tag == 0 or index == 0 or event.tag <= rounds[index - 1].tag:
             per_round[len(per_round)] = []
         per_round[len(per_round) - 1].append(event.accepted)
     assert any(len(set(accepted)) > 1 for accepted in per_round.values()), "no round with uneven acceptance"
@@ -152,12 +163,12 @@ def test_sampled_rows_are_independent(pair, prompts):
 
 def test_cli_batch_json_rows_equal_the_library(pair_dir, pair, prompts, tmp_path, monkeypatch):
     """``dspark generate`` with repeated --prompt-tokens prints {"batch": [...]};
-    sampled with --verify auto it reproduces the library run of the same seed."""
+    sampled with --width auto it reproduces the library run of the same seed."""
     root, _ = pair_dir
     _, params = pair
     monkeypatch.setenv("DSPARK_FN_CACHE", str(tmp_path))
     flags = [a for p in prompts[:2] for a in ("--prompt-tokens", ",".join(map(str, p)))]
-    options = ["--temp", "1.0", "--top-k", "5", "--seed", "3", "--verify", "auto"]
+    options = ["--temp", "1.0", "--top-k", "5", "--seed", "3", "--width", "auto"]
     command = [sys.executable, "-m", "dspark_fn.cli", "generate", "--model", root / "target",
                "--draft", root / "draft", "--max-tokens", "12", "--json", *flags, *options]
     result = subprocess.run(list(map(str, command)), capture_output=True, text=True, timeout=300)
@@ -168,7 +179,9 @@ def test_cli_batch_json_rows_equal_the_library(pair_dir, pair, prompts, tmp_path
 
 
 def same_round(a, b) -> bool:
-    return (a.emitted, a.accepted, a.drafted, a.width) == (b.emitted, b.accepted, b.drafted, b.width)
+    """Two steps give each sequence the same round, whatever rows the sequences sit in."""
+    by_tag = lambda step: {e.tag: (e.emitted, e.accepted, e.drafted, e.width) for e in step.events()}  # noqa: E731
+    return by_tag(a) == by_tag(b)
 
 
 @pytest.mark.parametrize("width, pair_name", [(None, "accepted_pair"), ("auto", "accepted_pair"), ("auto", "pair")])
@@ -183,26 +196,25 @@ def test_a_resized_batch_goes_on_as_if_never_resized(request, prompts, width, pa
 
     def started():
         decoder = dspark_fn.Decoder(params, 4, width=width, costs=costs)
-        decoder.insert([0, 1, 2], prompts[:3])
+        decoder.insert(prompts[:3])  # tags 0, 1, 2
         return decoder
 
     steady, moving = started(), started()
     for _ in range(3):
         assert same_round(steady.step(), moving.step())
     for decoder in (steady, moving):
-        decoder.release(0)
-        decoder.release(2)
-    assert moving.resize(1) == {1: 0}
+        assert [decoder.release(tag).tag for tag in (0, 2)] == [0, 2]
+    moving.resize(1)  # sequence 1 moves from row 1 to row 0
     for _ in range(3):
         kept, moved = steady.step(), moving.step()
-        assert (kept.rows, moved.rows) == ([1], [0]) and same_round(kept, moved)
-    assert moving.resize(2) == {0: 0}
-    first = steady.insert([3], [prompts[3]]).emitted
-    assert moving.insert([1], [prompts[3]]).emitted == first
+        assert kept.tags == moved.tags == [1] and same_round(kept, moved)
+    moving.resize(2)
+    first = steady.insert([prompts[3]], tags=[3]).emitted  # in row 0, before sequence 1; moving: row 1, after it
+    assert moving.insert([prompts[3]], tags=[3]).emitted == first
     joined = list(first[0])
     for _ in range(4):
         kept, moved = steady.step(), moving.step()
-        assert (kept.rows, moved.rows) == ([1, 3], [0, 1]) and same_round(kept, moved)
+        assert (kept.tags, moved.tags) == ([3, 1], [1, 3]) and same_round(kept, moved)
         joined += moved.emitted[1]
     assert joined == mlx_lm_greedy(model, prompts[3], len(joined))
 
@@ -210,6 +222,58 @@ def test_a_resized_batch_goes_on_as_if_never_resized(request, prompts, width, pa
 def test_resize_refuses_to_drop_active_rows(pair, prompts):
     _, params = pair
     decoder = dspark_fn.Decoder(params, 4, width=None)
-    decoder.insert([0, 3], prompts[:2])
+    decoder.insert(prompts[:2])
     with pytest.raises(ValueError, match="2 active rows do not fit in a batch of 1"):
         decoder.resize(1)
+
+
+def test_an_ended_sequence_comes_back_as_one_record(accepted_pair, prompts):
+    """Sequences that end by their budget, by their stop token, or released,
+    each come back once, as their events told it: tokens, finish reason,
+    tally. The cache a sequence keeps holds its leading tokens (no more
+    than it emitted, when its last round committed past its budget), in
+    buffers of its own cut to their bucket, and a follow-up prefilled on it
+    decodes the target's greedy stream."""
+    model, params = accepted_pair
+    truth = [mlx_lm_greedy(model, p, NEW_TOKENS) for p in prompts]
+    stop = truth[1][5]
+    alone = dspark_fn.Decoder(params, 1, width=None)  # rounds of a row do not depend on the other rows
+    sizes = [len(alone.insert(prompts[:1]).emitted[0])] + [len(alone.step().emitted[0]) for _ in range(12)]
+    cut = next(i for i, size in enumerate(sizes) if i and size >= 3)
+    budget = sum(sizes[:cut]) + 1  # its last round commits at least 2 tokens past it
+    decoder = dspark_fn.Decoder(params, 4, width=None)
+    events, ended = {}, {}
+
+    def take(step):
+        for event in step.events():
+            events.setdefault(event.tag, []).append(event)
+        for record in step.ended:
+            assert record.tag not in ended
+            ended[record.tag] = record
+
+    take(decoder.insert(prompts[:1], tags=["budget"], max_new_tokens=budget, keep_cache=True))
+    take(decoder.insert(prompts[1:2], tags=["stop"], stop_tokens=[stop], keep_cache=True))
+    take(decoder.insert(prompts[2:3], tags=["released"], keep_cache=True))
+    for _ in range(3):
+        take(decoder.step())
+    ended["released"] = decoder.release("released")
+    while decoder.busy:
+        take(decoder.step())
+    assert decoder.free == 4 and sorted(ended) == ["budget", "released", "stop"]
+    assert (ended["budget"].finish, ended["budget"].tokens) == ("length", truth[0][:budget])
+    assert int(ended["budget"].cache.length[0]) == len(ended["budget"].context)
+    assert (ended["stop"].finish, ended["stop"].tokens) == ("stop", truth[1][: truth[1].index(stop) + 1])
+    assert ended["released"].finish == "cancelled" and len(ended["released"].tokens) > 3
+    for prompt, tag in zip(prompts, ["budget", "stop", "released"]):
+        record = ended[tag]
+        assert record.prompt == prompt and record.tokens == [t for e in events[tag] for t in e.emitted]
+        assert record.tally.summary() == Tally.of(events[tag]).summary() and record.tally.rounds > 0
+        length = int(record.cache.length[0])
+        assert len(record.context) - 1 <= length <= len(record.context)
+        assert (record.cache.batch_size, record.cache.capacity) == (1, capacity_for(length))
+        follow_up = record.context[:length] + [3]
+        fresh = dspark_fn.Decoder(params, 1, width=None)
+        resumed = fresh.insert([follow_up], prefix=record.cache).emitted[0]
+        while len(resumed) < 12:
+            resumed += fresh.step().emitted[0]
+        assert resumed == mlx_lm_greedy(model, follow_up, len(resumed)), tag

@@ -7,9 +7,9 @@ Breaks tried, and the tests that catch them:
 - the prefill without its per-chunk check (``check_writes`` in ``prefill``):
   test_a_prefill_chunk_past_the_cache_raises (the chunk writes past the
   buffer; no ValueError);
-- the Decoder's verify without ``check_writes``:
+- the Decoder's verify without ``check_writes`` (in ``Decoder._make_room``):
   test_a_verify_past_the_capacity_raises;
-- ``Decoder.step`` without ``_check_lengths`` after the round:
+- ``Decoder.step`` without ``_check_lengths`` after the round (in ``Decoder._commit``):
   test_a_row_longer_in_the_cache_than_counted_raises;
 - ``Decoder.resize`` taking a row's committed count from the row after it:
   test_resize_keeps_each_rows_count (raised by ``_check_lengths`` in resize);
@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import dspark_fn
-from dspark_fn import buffers, prefilling
+from dspark_fn import buffers, driver, prefilling
 from dspark_fn.driver import Decoder
 from helpers import build_draft, build_target, draft_config, random_prompt, target_config
 
@@ -51,13 +51,14 @@ def test_a_prefill_chunk_past_the_cache_raises(params, monkeypatch):
         prefilling.prefill(params, cache, prompt(300), grow=True)
 
 
-def test_a_verify_past_the_capacity_raises(params):
-    """A row the decoder counts at the end of a fixed cache (its count
-    inconsistent with the cache) is refused before the verify writes."""
-    decoder = Decoder(params, 2, width=3, capacity=CAPACITY)
+def test_a_verify_past_the_capacity_raises(params, monkeypatch):
+    """A row the decoder counts at the end of the cache (its count
+    inconsistent with the cache) whose room was not made (the growth
+    stops short) is refused before the verify writes."""
+    decoder = Decoder(params, 2, width=3)
     decoder.start([prompt(5), prompt(9, 1)])
-    decoder.rows[1].finish, decoder.rows[1].committed = "stop", CAPACITY - 1  # ended, but not freed yet:
-    decoder._release_ended = lambda: None  # its row still writes a verify's width at its count
+    decoder.rows[1].committed = CAPACITY - 1
+    monkeypatch.setattr(driver, "grow_cache", lambda params, cache, capacity: cache)
     with pytest.raises(ValueError, match=r"a verify of width 3: cache row 1 at length 255 would write 3 slots past "
                                          r"the capacity 256"):
         decoder.step()
@@ -78,17 +79,30 @@ def test_resize_keeps_each_rows_count(params):
     """Rows of different lengths moved by a resize keep their own counts (the
     check in resize reads the moved lengths), and decode on."""
     decoder = Decoder(params, 4, width=3)
-    decoder.insert([1, 3], [prompt(5), prompt(40, 1)])
+    decoder.insert([prompt(5), prompt(9, 2), prompt(40, 1), prompt(12, 3)])
     decoder.step()
+    decoder.release(0)
+    decoder.release(2)
     counts = decoder.committed[[1, 3]].tolist()
-    assert decoder.resize(2) == {1: 0, 3: 1}
+    decoder.resize(2)
     assert decoder.committed.tolist() == counts
     decoder.step()
 
 
 def test_insert_into_a_row_outside_the_batch_raises(params):
-    decoder = Decoder(params, 2, width=3)
+    cache = buffers.init_cache(params, 2, CAPACITY)
     with pytest.raises(ValueError, match="row 5 is not a row of the batch of 2"):
-        decoder.insert([5], [prompt(4)])
+        prefilling.insert(params, cache, [5], [prompt(4)])
     with pytest.raises(ValueError, match=r"2 prompts need 2 distinct rows, got \[1, 1\]"):
-        decoder.insert([1, 1], [prompt(4), prompt(4)])
+        prefilling.insert(params, cache, [1, 1], [prompt(4), prompt(4)])
+
+
+def test_a_full_batch_or_a_running_tag_is_refused(params):
+    decoder = Decoder(params, 2, width=3)
+    decoder.insert([prompt(4)], tags=["a"])
+    with pytest.raises(ValueError, match=r"2 prompts but 1 free row\(s\) in the batch of 2: resize the batch first"):
+        decoder.insert([prompt(4), prompt(5)])
+    with pytest.raises(ValueError, match=r"1 sequences need 1 distinct tags that no running sequence has, got \['a'\]"):
+        decoder.insert([prompt(4)], tags=["a"])
+    with pytest.raises(ValueError, match="no running sequence is tagged 'b'"):
+        decoder.release("b")

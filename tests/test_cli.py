@@ -27,7 +27,7 @@ def test_generate_json_matches_reference(fixture):
     n = len(meta["output_tokens"])
     prompt = ",".join(map(str, meta["prompt_ids"]))
     result = dspark("generate", "--model", root / "target", "--draft", root / "draft",
-                    "--prompt-tokens", prompt, "--max-tokens", n, "--verify", meta["block_size"] + 1, "--json")
+                    "--prompt-tokens", prompt, "--max-tokens", n, "--width", meta["block_size"] + 1, "--json")
     out = json.loads(result.stdout)
     assert out["tokens"] == meta["output_tokens"]
     assert [r["drafted"] for r in out["rounds"]] == [r["draft_tokens"] for r in meta["rounds"]]
@@ -62,10 +62,16 @@ def test_bad_checkpoint_is_a_message_not_a_traceback(fixture, tmp_path):
 
 
 def test_the_old_spellings_still_parse():
-    """``dspark distill`` is ``dspark train``; ``--max-new-tokens`` is ``--max-tokens`` there."""
+    """``dspark distill`` is ``dspark train``; ``--max-new-tokens`` is ``--max-tokens`` there; ``--verify``
+    is ``--width`` wherever that is taken."""
     from dspark_fn.cli import build_parser
 
     parser = build_parser()
     old = parser.parse_args(["train", "--out", "run", "--max-new-tokens", "7"])
     new = parser.parse_args(["distill", "--out", "run", "--max-tokens", "7"])
     assert old.max_tokens == new.max_tokens == 7 and old.run is new.run
+    for command in ("generate", "bench", "eval", "serve"):
+        widths = [parser.parse_args([command, flag, value]).width for flag, value in
+                  (("--verify", "4"), ("--width", "4"), ("--verify", "auto"))]
+        assert widths == [4, 4, "auto"], command
+    assert parser.parse_args(["generate", "x"]).width == "auto"

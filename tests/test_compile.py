@@ -96,7 +96,7 @@ def test_each_batch_size_traces_once(params):
             decoder.step()
 
     # the round after an insert verifies no drafts: widths 1 and 5
-    new = traces_during(lambda: (decoder.insert([0, 1], prompts), decoder.step(), decoder.step()))
+    new = traces_during(lambda: (decoder.insert(prompts), decoder.step(), decoder.step()))
     assert new == {"prefill": 1, "draft": 1, "verify": 2}
     assert traces_during(lambda: (visit(6), visit(5))) == {"draft": 2, "verify": 2}
     assert traces_during(lambda: (visit(3), visit(6), visit(5))) == {}

@@ -13,12 +13,12 @@ Breaks tried, and the tests that catch them:
   test_copies_continue_the_committed_text, test_a_hybrid_target_rolls_back_after_copies
   (sampled: test_sampling's control "copy accepted without checking the target",
   ``point_mass`` at -inf everywhere);
-- the index not updated after a rollback (``Decoder._learn`` indexes each
+- the index not updated after a rollback (``Decoder._commit`` indexes each
   row's verified block, rejected proposals included, instead of the
   committed tokens): test_copies_continue_the_committed_text;
-- copies rated only when verified (``Decoder._learn`` scores the copies of
+- copies rated only when verified (``Planner.learn`` scores the copies of
   copying rows alone): test_copies_rated_poor_recover_without_being_verified;
-- the draft launched in rounds where every row copies (``Decoder._sources``
+- the draft launched in rounds where every row copies (``Planner.sources``
   without the check for a row that takes the draft):
   test_a_round_of_copies_runs_no_draft_pass.
 """
@@ -201,10 +201,10 @@ def round_sources(events) -> list:
     """The set of sources the rows verified, round by round."""
     by_round, previous = [], None
     for event in rounds_of(events):
-        if previous is None or event.row <= previous:  # rows come in order within a round
+        if previous is None or event.tag <= previous:  # generate's tags ascend within a round
             by_round.append(set())
         by_round[-1].add(event.source)
-        previous = event.row
+        previous = event.tag
     return by_round
 
 
@@ -222,7 +222,7 @@ def test_a_mixed_batch_equals_the_target(echo, new_tokens):
     events = list(dspark_fn.generate(params, prompts, new_tokens, costs=COSTS))
     streams = [[] for _ in prompts]
     for event in events:
-        streams[event.row] += event.emitted
+        streams[event.tag] += event.emitted
     assert streams == [mlx_lm_greedy(model, p, new_tokens) for p in prompts]
     assert mixed_rounds(events) > 0
 
@@ -239,11 +239,11 @@ def test_copies_continue_the_committed_text(pair, proposals):
     copies = 0
     for _ in range(24):
         step = decoder.step()
-        for row, source, drafted, emitted in zip(step.rows, step.sources, step.drafted, step.emitted):
+        for tag, source, drafted, emitted in zip(step.tags, step.sources, step.drafted, step.emitted):
             if source == "copy":
-                assert drafted == brute_force(texts[row], BLOCK)[0][: len(drafted)]
+                assert drafted == brute_force(texts[tag], BLOCK)[0][: len(drafted)]
                 copies += 1
-            texts[row] += emitted
+            texts[tag] += emitted
     assert copies > 5
     assert [row.index.tokens for row in decoder.rows] == texts
     assert all(text[len(p):] == mlx_lm_greedy(model, p, len(text) - len(p)) for p, text in zip(prompts, texts))
@@ -285,7 +285,7 @@ def test_a_hybrid_target_rolls_back_after_copies(hybrid, proposals):
     events = list(dspark_fn.generate(params, prompts, NEW_TOKENS, costs=COSTS, proposals=proposals))
     streams = [[] for _ in prompts]
     for event in events:
-        streams[event.row] += event.emitted
+        streams[event.tag] += event.emitted
     assert streams == [mlx_lm_greedy(model, p, NEW_TOKENS) for p in prompts]
     assert any(e.source == "copy" and 0 < e.accepted < len(e.drafted) for e in events)  # partial: a real rollback
 
@@ -364,7 +364,7 @@ def test_copies_rated_poor_recover_without_being_verified(echo):
     _, params, cycle = echo
     decoder = dspark_fn.Decoder(params, 3, costs=COSTS)
     decoder.start(mixed_prompts(cycle))
-    decoder.rates.acceptance[1:] = 0.0
+    decoder.planner.rates.acceptance[1:] = 0.0
     sources = [decoder.step().sources for _ in range(12)]
     assert "copy" not in sources[0] and any("copy" in step for step in sources)
 

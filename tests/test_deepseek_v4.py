@@ -397,7 +397,7 @@ def test_compressed_generate_equals_mlx_vlm_greedy_for_300_tokens(compressed):
     streams = [[], []]
     before = TRACE_COUNTS.copy()
     for event in dspark_fn.generate(compressed.params, prompts, 300, width=None):
-        streams[event.row] += event.emitted
+        streams[event.tag] += event.emitted
     # at most one draft and one verify trace per capacity bucket (256, then 512) over ~150 rounds
     assert all(TRACE_COUNTS[kind] - before[kind] <= 2 for kind in ("draft", "verify"))
     for prompt, stream in zip(prompts, streams):

@@ -48,7 +48,7 @@ def test_bench_json_compares_side_by_side():
 
 def test_eval_json_reports_acceptance():
     """The reference protocol verifies the whole block every round."""
-    out = json.loads(dspark("eval", "--dataset", "mt-bench", "--n", 2, "--max-tokens", 12, "--verify", 6,
+    out = json.loads(dspark("eval", "--dataset", "mt-bench", "--n", 2, "--max-tokens", 12, "--width", 6,
                             "--json").stdout)
     assert out["prompts"] == 2 and out["rounds"] > 0
     assert 1 <= out["tau"] <= 6 and 0 < out["verify_rate"] <= 1

@@ -190,23 +190,23 @@ def test_rows_moved_by_a_resize_keep_their_lengths_and_grow_the_cache(pair):
     rng = np.random.default_rng(2)
     prompts = [random_prompt(rng, length, VOCAB) for length in (30, 190, 60, 236)]
     decoder = dspark_fn.Decoder(params, 4, width=3)
-    streams = decoder.insert(range(4), prompts).emitted
+    streams = decoder.insert(prompts).emitted  # tags 0..3 in rows 0..3
+
+    def take(step):
+        for tag, emitted in zip(step.tags, step.emitted):
+            streams[tag] += emitted
+
     for _ in range(2):
-        step = decoder.step()
-        for row, emitted in zip(step.rows, step.emitted):
-            streams[row] += emitted
+        take(decoder.step())
     decoder.release(0)
     decoder.release(2)
-    assert decoder.resize(2) == {1: 0, 3: 1}
+    decoder.resize(2)  # sequences 1 and 3 move to rows 0 and 1
     assert decoder.committed.tolist() == decoder.cache.length.tolist()
     assert decoder.cache.capacity == FIRST_BUCKET  # it grows after the resize
-    prompts, streams = [prompts[1], prompts[3]], [streams[1], streams[3]]
-    while min(len(p) + len(s) for p, s in zip(prompts, streams)) < FIRST_BUCKET + 24:
-        step = decoder.step()
-        for row, emitted in zip(step.rows, step.emitted):
-            streams[row] += emitted
+    while min(len(prompts[tag]) + len(streams[tag]) for tag in (1, 3)) < FIRST_BUCKET + 24:
+        take(decoder.step())
     assert decoder.cache.capacity > FIRST_BUCKET
-    assert streams == [mlx_lm_greedy(model, p, len(s)) for p, s in zip(prompts, streams)]
+    assert [streams[tag] for tag in (1, 3)] == [mlx_lm_greedy(model, prompts[t], len(streams[t])) for t in (1, 3)]
 
 
 def test_rows_moved_by_a_resize_store_their_own_prefixes(pair):
@@ -222,16 +222,16 @@ def test_rows_moved_by_a_resize_store_their_own_prefixes(pair):
     engine = Engine(params, max_batch=4, max_context=128, width=3)
     moves, resize = [], engine.decoder.resize
 
-    def recorded_resize(batch: int) -> dict:
-        moves.append(resize(batch))
-        return moves[-1]
+    def recorded_resize(batch: int) -> None:
+        moves.append((engine.decoder.batch, batch))
+        resize(batch)
 
     engine.decoder.resize = recorded_resize
     try:
         with engine.wake:  # held while submitting: the engine admits all three at once
             requests = [engine.submit(Request(p, n)) for p, n in zip(prompts, budgets)]
         answers = replies(requests)
-        assert {1: 0, 2: 1} in moves
+        assert (4, 2) in moves  # requests in rows 1 and 2 moved to rows 0 and 1
         truths = [p + mlx_lm_greedy(model, p, n + DRAFT["block_size"] + 1) for p, n in zip(prompts, budgets)]
         assert answers == [t[len(p) : len(p) + n] for t, p, n in zip(truths, prompts, budgets)]
         stored = engine.prompt_cache.entries

@@ -10,7 +10,10 @@ Breaks tried, and the tests that catch them:
 - prompt padding entering the state (``prompt_forward`` without ``keep``):
   test_generate_equals_target_greedy, test_a_stored_state_is_reused_only_at_its_length;
 - the prompt cache reusing a state at a shorter length (no length check in
-  ``PromptCache.lookup``): test_a_stored_state_is_reused_only_at_its_length.
+  ``PromptCache.lookup``): test_a_stored_state_is_reused_only_at_its_length;
+- an idle row's recurrent state settled as if it had committed (``settle``
+  given ``accepted + 1`` for every row in ``rounds.verify_and_commit``):
+  test_idle_rows_commit_nothing_recurrent_states_included.
 """
 
 import mlx.core as mx
@@ -18,6 +21,7 @@ import numpy as np
 import pytest
 
 import dspark_fn
+from dspark_fn.buffers import capacity_for
 from dspark_fn.kernel import TRACE_COUNTS
 from dspark_fn.serve.engine import PromptCache
 from helpers import (
@@ -71,6 +75,29 @@ def test_rows_accepting_unevenly_decode_as_alone(pair):
     drive_proposals(model, params, vocab, prompts, "partly-right", 60, shift=2)
 
 
+def test_idle_rows_commit_nothing_recurrent_states_included(pair):
+    """Rows passed ``active=False`` commit nothing, their recurrent states
+    included: two rows, each idle on alternate rounds, each decode the
+    target's greedy stream."""
+    model, params, vocab = pair
+    rng = np.random.default_rng(6)
+    prompts = [random_prompt(rng, n, vocab) for n in (11, 6)]
+    cache, tokens = dspark_fn.prefill(params, dspark_fn.init_cache(params, 2, 256), prompts)
+    streams = [[token] for token in tokens.tolist()]
+    for round_index in range(24):
+        active = [round_index % 2 == 0, round_index % 2 == 1]
+        before = cache.length.tolist()
+        cache, result = dspark_fn.speculate(params, cache, tokens, active=mx.array(active))
+        for row, (moving, count, length) in enumerate(zip(active, result.count.tolist(), cache.length.tolist())):
+            if moving:
+                streams[row] += result.emitted[row, :count].tolist()
+            else:
+                assert count == 0 and length == before[row]
+        tokens = result.next_tokens
+    for prompt, stream in zip(prompts, streams):
+        assert len(stream) > 12 and stream == mlx_lm_greedy(model, prompt, len(stream))
+
+
 def traces_during(fn):
     before = TRACE_COUNTS.copy()
     fn()
@@ -92,23 +119,25 @@ def test_inserted_and_resized_rows_decode_as_alone(pair):
     rng = np.random.default_rng(4)
     prompts = [random_prompt(rng, n, vocab) for n in (7, 19, 4)]
     decoder = dspark_fn.Decoder(params, 4, width=None)
-    streams = {0: decoder.insert([0], [prompts[0]]).emitted[0], 2: decoder.insert([2], [prompts[1]]).emitted[0]}
+    streams = {}
 
-    def run(rounds, rows):
-        for _ in range(rounds):
-            step = decoder.step()
-            for row, emitted in zip(step.rows, step.emitted):
-                streams[rows[row]] += emitted
+    def take(step):
+        for tag, emitted in zip(step.tags, step.emitted):
+            streams[tag] = streams.get(tag, []) + emitted
 
-    run(3, {0: 0, 2: 2})
-    streams[3] = decoder.insert([3], [prompts[2]]).emitted[0]
-    run(3, {0: 0, 2: 2, 3: 3})
+    take(decoder.insert(prompts[:1]))
+    take(decoder.insert(prompts[1:2]))
+    for _ in range(3):
+        take(decoder.step())
+    take(decoder.insert(prompts[2:]))
+    for _ in range(3):
+        take(decoder.step())
     decoder.release(0)
-    moved = decoder.resize(2)
-    assert moved == {2: 0, 3: 1}
-    run(4, {0: 2, 1: 3})
-    for row, prompt in zip((0, 2, 3), prompts):
-        assert streams[row] == mlx_lm_greedy(model, prompt, len(streams[row])), f"row {row}"
+    decoder.resize(2)  # sequences 1 and 2 move from rows 1 and 2 to rows 0 and 1
+    for _ in range(4):
+        take(decoder.step())
+    for tag, prompt in enumerate(prompts):
+        assert streams[tag] == mlx_lm_greedy(model, prompt, len(streams[tag])), f"sequence {tag}"
 
 
 def test_a_stored_state_is_reused_only_at_its_length(pair):
@@ -118,12 +147,14 @@ def test_a_stored_state_is_reused_only_at_its_length(pair):
     rng = np.random.default_rng(5)
     decoder = dspark_fn.Decoder(params, 1, width=None)
     first = random_prompt(rng, 20, vocab)
-    tokens = first + decoder.insert([0], [first]).emitted[0]
-    while len(tokens) < 40:
-        tokens += decoder.step().emitted[0]
-    committed = int(decoder.committed[0])
+    step = decoder.insert([first], max_new_tokens=20, keep_cache=True)
+    while not step.ended:
+        step = decoder.step()
+    (ended,) = step.ended
+    tokens, committed = ended.context, int(ended.cache.length[0])
+    assert committed <= len(tokens) and ended.cache.capacity == capacity_for(committed)
     store = PromptCache(budget_bytes=1 << 30, min_tokens=4)
-    store.store(tokens[:committed], decoder.row_cache(0))
+    store.store(tokens, ended.cache)
 
     diverging = tokens[: committed - 3] + [wrong_token(t, vocab) for t in tokens[committed - 3 : committed]]
     assert store.lookup(diverging) is None  # shares all but the last 3
@@ -132,7 +163,7 @@ def test_a_stored_state_is_reused_only_at_its_length(pair):
     assert prefix is not None and prefix.length.tolist() == [committed]
 
     fresh = dspark_fn.Decoder(params, 1, width=None)
-    resumed = fresh.insert([0], [follow_up], prefix=prefix).emitted[0]
+    resumed = fresh.insert([follow_up], prefix=prefix).emitted[0]
     while len(resumed) < 30:
         resumed += fresh.step().emitted[0]
     assert resumed == mlx_lm_greedy(model, follow_up, len(resumed))

@@ -101,16 +101,16 @@ def decode_scored(params, prompts, settings, seeds, rounds=6):
     """Rows decoded together by a Decoder, each scored: ``(tokens, scores)`` per row."""
     decoder = Decoder(params, len(prompts), width=4)
     streams, scored = [], []
-    for row, (prompt, setting, seed) in enumerate(zip(prompts, settings, seeds)):
-        step = decoder.insert([row], [prompt], sampling=setting, seeds=[seed], top_log_probs=TOP)
+    for prompt, setting, seed in zip(prompts, settings, seeds):
+        step = decoder.insert([prompt], sampling=setting, seeds=[seed], top_log_probs=TOP)  # tagged 0, 1, ...
         ((token,),), ((score,),) = step.emitted, step.log_probs
         streams.append([token])
         scored.append([score])
     for _ in range(rounds):
         step = decoder.step()
-        for i, row in enumerate(step.rows):
-            streams[row] += step.emitted[i]
-            scored[row] += step.log_probs[i]
+        for i, tag in enumerate(step.tags):
+            streams[tag] += step.emitted[i]
+            scored[tag] += step.log_probs[i]
     return streams, scored
 
 
@@ -129,10 +129,10 @@ def test_sampled_rows_score_under_their_own_distribution_alone_and_in_a_batch(pa
 def test_rows_that_do_not_ask_get_no_scores(pair):
     _, params = pair
     decoder = Decoder(params, 2, width=3)
-    decoder.insert([0], [[1, 2, 3]])
+    decoder.insert([[1, 2, 3]])
     step = decoder.step()
     assert step.log_probs is None
-    decoder.insert([1], [[4, 5]], top_log_probs=2)
+    decoder.insert([[4, 5]], top_log_probs=2)
     step = decoder.step()
     assert step.log_probs[0] is None and all(len(s.top) == 2 for s in step.log_probs[1])
 
@@ -171,7 +171,7 @@ def test_prompt_scores_are_the_targets_and_the_cache_goes_on(pair):
 
     prefix = take_rows(cache, [1], 1)._replace(length=mx.array([20], mx.int32))
     decoder = Decoder(params, 1, width=4)
-    stream = decoder.insert([0], [prompts[1]], prefix=prefix).emitted[0]
+    stream = decoder.insert([prompts[1]], prefix=prefix).emitted[0]
     while len(stream) < 12:
         stream += decoder.step().emitted[0]
     assert stream[:12] == mlx_lm_greedy(model, prompts[1], 12)

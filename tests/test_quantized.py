@@ -123,7 +123,7 @@ def test_quantized_target_greedy_equals_mlx_lm(family, layout, tmp_path):
         assert [speculative_tokens(params, prompt, 60, width=width) for prompt in prompts] == expected
     rows = [[] for _ in prompts]
     for event in dspark_fn.generate(params, prompts, 60, width=None):
-        rows[event.row] += event.emitted
+        rows[event.tag] += event.emitted
     assert rows == expected
 
 
@@ -152,5 +152,5 @@ def test_quant_target_matches_mlx_lm_convert(any_family, bits, tmp_path):
     prompts = [random_prompt(np.random.default_rng(seed), 5 + 9 * seed, config["vocab_size"]) for seed in range(2)]
     rows = [[] for _ in prompts]
     for event in dspark_fn.generate(pair, prompts, 40, width=None):
-        rows[event.row] += event.emitted
+        rows[event.tag] += event.emitted
     assert rows == [mlx_lm_greedy(model, prompt, 40) for prompt in prompts]

@@ -8,7 +8,7 @@ import pytest
 
 from dspark_fn import ops
 from dspark_fn.cache import block_mask, causal_mask, prefix_mask, write_rows
-from dspark_fn.rng import row_seeds, uniforms
+from dspark_fn.rng import gumbel_argmax, row_seeds, uniforms, unit_interval
 from dspark_fn.sampling import Mode, Sampling, batch_sampling, choose, log_probs
 from dspark_fn.accept import accept_greedy, accept_sampled, correction, emitted_tokens, leading_run
 
@@ -96,6 +96,16 @@ def test_row_noise_depends_on_the_row_seed_and_position_only():
     assert not np.array_equal(np.array(uniforms(seeds, position + 1, 3, (4,))), np.array(together))
     values = np.array(uniforms(row_seeds(0, 64), mx.zeros((64,), mx.int32), 1, (1000,))).ravel()
     assert 0 < values.min() and values.max() < 1 and abs(values.mean() - 0.5) < 0.01
+
+
+def test_uniforms_never_reach_0_or_1():
+    """The extreme hashes map strictly inside (0, 1): a uniform of 1 gives a
+    Gumbel key of +inf (its token drawn whatever its probability, even one a
+    constraint masks out), one of 0 a NaN."""
+    extremes = np.array(unit_interval(mx.array([0, 1, 0xFFFFFFFE, 0xFFFFFFFF], mx.uint32)))
+    assert extremes.dtype == np.float32 and (0 < extremes).all() and (extremes < 1).all()
+    assert np.isfinite(np.array(gumbel_argmax(mx.array([[0.0, -mx.inf]]), mx.array(extremes[[0, 3]])[None])))
+    assert gumbel_argmax(mx.array([[0.0, -mx.inf]]), mx.array(extremes[[0, 3]])[None]).item() == 0
 
 
 def test_masks():

@@ -20,9 +20,13 @@ samplers at the end are rejected at p < 1e-6 by the same checks.
 The draft's cases propose from the draft alone; two cases verify copies of
 the context (point-mass proposals): copies alone under top-k/top-p (a
 copied token the filters exclude is never kept), and copies and drafts
-chosen row by row in one batch.
+chosen row by row in one batch. The last section holds rows to a grammar
+(constrained sampling: the mask, then temperature, top-k, top-p) through a
+loop over the pure functions with a matcher per row, with its own negative
+controls.
 """
 
+import functools
 import importlib
 import json
 import math
@@ -34,8 +38,10 @@ import pytest
 import dspark_fn
 from dspark_fn import GREEDY, CostCurve, Sampling
 from dspark_fn.checkpoints import save_draft
+from dspark_fn.constraints import commit, compile_constraint, draft_masks, next_masks, verify_masks
 from dspark_fn.drafts.vocab import reduced_checkpoint
-from dspark_fn.sampling import Mode, batch_sampling, log_probs
+from dspark_fn.sampling import Mode, batch_sampling, constrained, log_probs
+from grammars import ALTERNATING, SAMPLING_PIECES, EngineMask, vocabulary
 from helpers import build_bigram_draft, build_target, mlx_lm_greedy, speculative_tokens, target_config
 from hybrids import HYBRID_SHAPES
 
@@ -128,14 +134,14 @@ def sampled_streams(params, sampling: Sampling, seed: int, **kwargs) -> tuple[np
     )
     widths, sources, mixed, previous = set(), set(), 0, SAMPLES
     for event in events:
-        streams[event.row] += event.emitted
+        streams[event.tag] += event.emitted
         widths.add(event.width)
         if event.kind == "round":
-            if event.row <= previous:  # rows come in order within a round
+            if event.tag <= previous:  # generate's tags ascend within a round
                 mixed += {"copy", "draft"} <= sources
                 sources = set()
             sources.add(event.source)
-            previous = event.row
+            previous = event.tag
     outcomes = np.array(streams)
     assert outcomes.shape == (SAMPLES, TOKENS)
     return outcomes, widths - {0}, mixed + ({"copy", "draft"} <= sources)
@@ -201,9 +207,9 @@ def uniform_p_value(values: np.ndarray) -> float:
     return chi_square_survival(((observed - expected) ** 2 / expected).sum(), PIT_BINS - 1)
 
 
-def chi_square_p_value(observed: np.ndarray, probs: np.ndarray) -> float:
+def chi_square_p_value(observed: np.ndarray, probs: np.ndarray, samples: int = SAMPLES) -> float:
     """Bins: every outcome expected >= 5 times, plus one bin pooling the rest."""
-    expected = SAMPLES * probs.ravel()
+    expected = samples * probs.ravel()
     order = np.argsort(-expected)
     expected, observed = expected[order], observed[order]
     large = expected >= 5
@@ -341,8 +347,8 @@ def bonus_from_the_draft(p, q, rejected):
     return mx.where(rejected, residual, mx.where(q.sum(axis=-1, keepdims=True) > 0, q, p))
 
 
-def unfiltered_draft_distribution(logits, rows, mode):
-    return log_probs(logits, rows, Mode(mode.greedy, mode.sampled))
+def unfiltered_draft_distribution(logits, rows, mode, allowed=None):
+    return log_probs(logits, rows, Mode(mode.greedy, mode.sampled), allowed)
 
 
 def blind_copy(tokens, vocab_size):
@@ -412,7 +418,7 @@ def test_rows_with_their_own_settings_share_one_batch(models):
     streams = [[] for _ in per_row]
     for event in dspark_fn.generate(pairs["good"], [PROMPT] * len(per_row), TOKENS, sampling=per_row, seed=9,
                                     capacity=24, width=None):
-        streams[event.row] += event.emitted
+        streams[event.tag] += event.emitted
     outcomes = np.array(streams)
     assert (outcomes[SAMPLES:] == mlx_lm_greedy(model, PROMPT, TOKENS)).all()
     for group, sampling in enumerate(settings):
@@ -423,8 +429,236 @@ def test_rows_with_their_own_settings_share_one_batch(models):
             assert p_value > P_VALUE_FLOOR, f"{sampling}: token {position + 1}: chi-square p = {p_value:.2e}"
 
 
+IMAGE_SAMPLING = Sampling(1.0, top_k=4)
+IMAGE_SAMPLES = SAMPLES // 2  # a wider model than the others': half the rows (its 64 outcomes need no more)
+
+
+def image_first_three(release, text: str, images: list) -> dict:
+    """``{(t1, t2, t3): P}`` of sampling mlx-vlm's own model of the release
+    alone after a prompt with an image, under ``IMAGE_SAMPLING``."""
+    def next_probs(then: tuple) -> np.ndarray:
+        return reference_probs(release.reference(text, images, then=then)[0][-1], IMAGE_SAMPLING)
+
+    law, first = {}, next_probs(())
+    for t1 in np.flatnonzero(first):
+        second = next_probs((int(t1),))
+        for t2 in np.flatnonzero(second):
+            third = next_probs((int(t1), int(t2)))
+            for t3 in np.flatnonzero(third):
+                law[int(t1), int(t2), int(t3)] = first[t1] * second[t2] * third[t3]
+    return law
+
+
+def test_an_image_prompt_samples_the_target_law(tmp_path_factory):
+    """``IMAGE_SAMPLES`` rows of one prompt with an image (a Qwen3.5 release: its
+    multimodal positions and the shift they leave, delta nets rolled back),
+    top-k 4, whole draft blocks: the first three tokens against their exact
+    joint law under mlx-vlm's own model."""
+    from dspark_fn.vision import image_prompt
+    from multimodal import Release, synthetic_image
+
+    release = Release(tmp_path_factory.mktemp("sampling-image"), "qwen3_5")
+    picture = synthetic_image(16, 16, seed=1)  # 4 image tokens: the prompt fits a cache of 64 for 20,000 rows
+    text = release.text("Hi", 1)
+    prompt = image_prompt(release.params, text, [picture])
+    streams = [[] for _ in range(IMAGE_SAMPLES)]
+    for event in dspark_fn.generate(release.params, [prompt] * IMAGE_SAMPLES, 3, sampling=IMAGE_SAMPLING, seed=3,
+                                    capacity=64, width=None, proposals="draft"):
+        streams[event.tag] += event.emitted
+    law = image_first_three(release, text, [picture])
+    outcomes = [tuple(stream) for stream in streams]
+    assert set(outcomes) <= set(law), "a token outside the top-k was sampled"
+    order = sorted(law)
+    counts = np.array([outcomes.count(outcome) for outcome in order])
+    p_value = chi_square_p_value(counts, np.array([law[outcome] for outcome in order]), IMAGE_SAMPLES)
+    assert p_value > P_VALUE_FLOOR, f"first three tokens after an image: chi-square p = {p_value:.2e}"
+
+
 def test_chi_square_survival_matches_the_closed_form_for_even_dof():
     for dof, statistic in ((2, 3.0), (4, 10.0), (20, 45.0), (20, 5.0)):
         half = statistic / 2
         closed = math.exp(-half) * sum(half**i / math.factorial(i) for i in range(dof // 2))
         assert chi_square_survival(statistic, dof) == pytest.approx(closed, rel=1e-9)
+
+
+# ---- constrained sampling: a grammar that changes the law at every position
+#
+# Rows follow ``grammars.ALTERNATING`` (characters alternate between a-d and
+# e-h, so the legal pieces depend on the phase; 5 of the 32 tokens are legal
+# at each step). The loop is the one a caller writes with the pure functions
+# and its own matchers: the first token under ``prefill(..., masks=...)``,
+# then ``speculate`` with the draft's first slot masked and every verified
+# position under the mask along its proposal, each matcher advanced by the
+# tokens its row committed. The law each token must follow is plain
+# constrained sampling: the grammar's mask after the row's own prefix, then
+# temperature, top-k, top-p, written out in numpy.
+
+SAMPLING_VOCAB = vocabulary(SAMPLING_PIECES, CONFIG["vocab_size"])
+WIDTH = DRAFT["block_size"] + 1
+
+
+def commit_emitted(matchers, drafted, emitted):
+    commit(matchers, emitted)
+
+
+def constrained_streams(params, sampling: Sampling, seed: int, constrained=lambda row: True,
+                        advance=commit_emitted) -> np.ndarray:
+    """``[SAMPLES, TOKENS]`` tokens of rows under ``ALTERNATING`` (those
+    ``constrained(row)`` says; the others free) in one batch."""
+    grammar = compile_constraint(ALTERNATING, SAMPLING_VOCAB)
+    vocab = CONFIG["vocab_size"]
+    matchers = [grammar.matcher() if constrained(row) else None for row in range(SAMPLES)]
+    cache = dspark_fn.init_cache(params, SAMPLES, 24, seed=seed)
+    cache, anchors = dspark_fn.prefill(params, cache, [PROMPT] * SAMPLES, sampling=sampling,
+                                       masks=next_masks(matchers, vocab))
+    streams = [[t] for t in anchors.tolist()]
+    commit(matchers, streams)
+    while min(len(s) for s in streams) < TOKENS:
+        running = [len(s) < TOKENS for s in streams]
+        live = [m if run else None for m, run in zip(matchers, running)]  # finished rows' matchers rest
+        cache, result = dspark_fn.speculate(
+            params, cache, anchors, width=WIDTH, sampling=sampling, active=mx.array(running),
+            masks=functools.partial(verify_masks, live, vocab_size=vocab),
+            draft_masks=draft_masks(live, DRAFT["block_size"], vocab),
+        )
+        counts, anchors, tokens = result.count.tolist(), result.next_tokens, np.array(result.emitted).tolist()
+        emitted = [row[:count] if run else [] for row, count, run in zip(tokens, counts, running)]
+        advance(live, result.drafted.tolist(), emitted)
+        for stream, tokens in zip(streams, emitted):
+            stream += tokens
+    return np.array([s[:TOKENS] for s in streams])
+
+
+def grammar_masks(prefixes: np.ndarray) -> np.ndarray:
+    """``[N, T, V]`` bools: the tokens ``ALTERNATING`` allows after each row's
+    first ``t`` tokens, for ``t < T`` (llguidance driven directly)."""
+    return EngineMask(ALTERNATING, SAMPLING_VOCAB).along(prefixes)
+
+
+def constrained_reference(logits: np.ndarray, allowed: np.ndarray, sampling: Sampling) -> np.ndarray:
+    """Plain constrained sampling: the mask, then ``reference_probs``; a prefix
+    no row can reach (its mask allows nothing) keeps its logits."""
+    allowed = allowed | ~allowed.any(axis=-1, keepdims=True)
+    return reference_probs(np.where(allowed, logits, -np.inf), sampling)
+
+
+def exact_constrained_first_three(model, sampling: Sampling) -> np.ndarray:
+    vocab = CONFIG["vocab_size"]
+    t1, t2 = np.meshgrid(np.arange(vocab), np.arange(vocab), indexing="ij")
+    prefixes = np.concatenate([t1.reshape(-1, 1), t2.reshape(-1, 1), np.zeros((vocab * vocab, 1), int)], axis=1)
+    rows = np.concatenate([np.tile(PROMPT, (vocab * vocab, 1)), prefixes[:, :2]], axis=1)
+    logits = np.array(model(mx.array(rows))[:, len(PROMPT) - 1:].astype(mx.float32))
+    p = constrained_reference(logits, grammar_masks(prefixes), sampling)
+    return p[0, 0][:, None, None] * p[::vocab, 1][:, :, None] * p[:, 2].reshape(vocab, vocab, vocab)
+
+
+def constrained_pit(model, outcomes: np.ndarray, sampling: Sampling, seed: int) -> np.ndarray:
+    """``pit_values`` under the constrained law."""
+    rows = np.concatenate([np.tile(PROMPT, (len(outcomes), 1)), outcomes[:, :-1]], axis=1)
+    logits = np.concatenate([
+        np.array(model(mx.array(rows[i: i + 4096]))[:, len(PROMPT) - 1:].astype(mx.float32))
+        for i in range(0, len(rows), 4096)
+    ])
+    probs = constrained_reference(logits, grammar_masks(outcomes), sampling)
+    taken = np.take_along_axis(probs, outcomes[..., None], axis=-1)[..., 0]
+    below = np.take_along_axis(np.cumsum(probs, axis=-1), outcomes[..., None], axis=-1)[..., 0] - taken
+    return below + np.random.default_rng(seed).uniform(size=taken.shape) * taken
+
+
+def constrained_p_values(model, outcomes: np.ndarray, sampling: Sampling, seed: int) -> list:
+    """The first three tokens' joint law, then every position's PIT."""
+    counts = first_three_counts(outcomes)
+    p_values = [chi_square_p_value(counts, exact_constrained_first_three(model, sampling))]
+    pit = constrained_pit(model, outcomes, sampling, seed)
+    return p_values + [uniform_p_value(pit[:, position]) for position in range(TOKENS)]
+
+
+CONSTRAINED_CASES = {
+    "good draft": ("good", Sampling(1.0)),
+    "bad draft": ("bad", Sampling(1.0)),
+    "top-k top-p": ("good", Sampling(0.8, top_k=3, top_p=0.7)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CONSTRAINED_CASES))
+def test_constrained_sampling_matches_the_constrained_target(models, case):
+    model, pairs = models
+    draft, sampling = CONSTRAINED_CASES[case]
+    outcomes = constrained_streams(pairs[draft], sampling, seed=len(case))
+    assert grammar_masks(outcomes)[np.arange(SAMPLES)[:, None], np.arange(TOKENS), outcomes].all(), \
+        "a token the grammar refuses"
+    assert (first_three_counts(outcomes)[exact_constrained_first_three(model, sampling).ravel() == 0] == 0).all()
+    p_values = constrained_p_values(model, outcomes, sampling, seed=len(case))
+    assert min(p_values) > P_VALUE_FLOOR, f"{case}: p = {p_values}"
+
+
+def test_constrained_and_free_rows_share_a_batch(models):
+    """Even rows under the grammar, odd rows free, in one batch: each group follows its own law."""
+    model, pairs = models
+    sampling = Sampling(1.0)
+    outcomes = constrained_streams(pairs["good"], sampling, seed=5, constrained=lambda row: row % 2 == 0)
+    bound, free = outcomes[0::2], outcomes[1::2]
+    pit = constrained_pit(model, bound, sampling, seed=5)
+    free_pit = pit_values(model, free, sampling, seed=6)
+    for position in range(TOKENS):
+        for group, values in (("constrained", pit), ("free", free_pit)):
+            p_value = uniform_p_value(values[:, position])
+            assert p_value > P_VALUE_FLOOR, f"{group} rows: token {position + 1}: p = {p_value:.2e}"
+
+
+def mask_only_on_the_bonus_token(block, logits, q, rows, mode, accept_uniforms, correction_uniforms, limit=None,
+                                 allowed=None):
+    """Drafts accepted and rejected by the unconstrained target; only the
+    token after a fully accepted block is drawn under the mask."""
+    free = ACCEPT_SAMPLED(block, logits, q, rows, mode, accept_uniforms, correction_uniforms, limit)
+    at_bonus = mx.take_along_axis(VERIFY.log_probs(logits, rows, mode, allowed), free.accepted[:, None, None], axis=1)
+    bonus = VERIFY.gumbel_argmax(at_bonus[:, 0], correction_uniforms).astype(block.dtype)
+    full = free.accepted == (block.shape[1] - 1 if limit is None else limit)
+    next_tokens = mx.where(full, bonus, free.next_tokens)
+    return VERIFY.Verdict(free.accepted, next_tokens, VERIFY.emitted_tokens(block, free.accepted, next_tokens))
+
+
+def advanced_by_rejected_drafts(matchers, drafted, emitted):
+    """Each matcher takes every drafted token it can, kept or not, then the target's own token."""
+    for matcher, proposals, tokens in zip(matchers, drafted, emitted):
+        if matcher is not None and tokens:
+            legal = matcher.copy().commit(proposals)
+            matcher.commit(proposals[:legal] + tokens[-1:])
+
+
+def masked_after_top_p(logits, rows, mode, allowed=None):
+    scores = log_probs(logits, rows, mode)
+    if allowed is None:
+        return scores
+    kept = constrained(scores, allowed & (scores > -mx.inf))
+    return kept - mx.logsumexp(kept, axis=-1, keepdims=True)
+
+
+def unmasked_draft_distribution(logits, rows, mode, allowed=None):
+    return log_probs(logits, rows, mode)
+
+
+ACCEPT_SAMPLED = VERIFY.accept_sampled
+CONSTRAINED_BROKEN = {
+    "mask only on the bonus token": (Sampling(1.0), VERIFY, "accept_sampled", mask_only_on_the_bonus_token),
+    "grammar advanced by rejected drafts": (Sampling(1.0), None, None, advanced_by_rejected_drafts),
+    "mask applied after top-p": (Sampling(0.8, top_p=0.7), VERIFY, "log_probs", masked_after_top_p),
+    "draft q not the q that drafted": (Sampling(1.0), DRIVER, "log_probs", unmasked_draft_distribution),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONSTRAINED_BROKEN))
+def test_the_harness_rejects_broken_constrained_samplers(models, monkeypatch, name):
+    model, pairs = models
+    sampling, module, attribute, broken = CONSTRAINED_BROKEN[name]
+    advance = broken if module is None else commit_emitted
+    if module is not None:
+        monkeypatch.setattr(module, attribute, broken)
+    clear_kernels()
+    try:
+        outcomes = constrained_streams(pairs["good"], sampling, seed=len(name), advance=advance)
+    finally:
+        monkeypatch.undo()
+        clear_kernels()
+    p_values = constrained_p_values(model, outcomes, sampling, seed=len(name))
+    assert min(p_values) < CONTROL_FLOOR, f"{name}: smallest p = {min(p_values):.2e}"

@@ -1,4 +1,5 @@
-"""Confidence-scheduled verification: Algorithm 1, the threshold cut, cost curves, width buckets."""
+"""Confidence-scheduled verification: Algorithm 1, the threshold cut, cost curves, width buckets, and the
+planner that decides each round (sources, width, limits) and learns from it, on its own without a model."""
 
 import importlib
 import json
@@ -10,10 +11,13 @@ import pytest
 import dspark_fn
 from dspark_fn.kernel import TRACE_COUNTS
 from dspark_fn.costs import cached_costs, monotone
+from dspark_fn.copying import Copy
 from dspark_fn.schedule import (
+    DRAFTED,
     CostCurve,
-    DraftGate,
-    VerifyPolicy,
+    Plan,
+    Planner,
+    Sources,
     bucket_for,
     scheduled_length,
     threshold_lengths,
@@ -83,13 +87,18 @@ def test_threshold_cuts_at_the_first_low_confidence():
     assert threshold_lengths(confidences, 0.5).tolist() == [1, 0, 3]
 
 
+def drafts(planner: Planner, confidences: np.ndarray, live: np.ndarray) -> Plan:
+    """The plan of a round in which every live row verifies the draft."""
+    none = np.zeros(len(live), bool)
+    return planner.plan(confidences, np.zeros(len(live), int), Sources(True, none), live, none)
+
+
 def test_plan_uses_active_rows_only():
-    policy = VerifyPolicy(max_width=6, buckets=BUCKETS, threshold=0.5)
+    planner = Planner(BLOCK, width=None, threshold=0.5)
     confidences = np.array([[0.9, 0.9, 0.1, 0.9, 0.9], [0.9] * 5])
-    width, limits = policy.plan(confidences, np.array([True, False]))
-    assert width == 3 and limits[0] == 2
-    width, _ = policy.plan(confidences, np.array([True, True]))
-    assert width == 6
+    plan = drafts(planner, confidences, np.array([True, False]))
+    assert plan.width == 3 and plan.limits.tolist() == [2, 0]
+    assert drafts(planner, confidences, np.array([True, True])).width == 6
 
 
 @pytest.mark.parametrize("threshold", [0.0, 0.6])
@@ -98,15 +107,15 @@ def test_admitting_a_slot_never_depends_on_later_confidences(threshold):
     depend on c_{r,1..k} (functions of the drafts before slot k) and on other
     rows, never on c_{r,k+1..}, which depend on the draft at slot k."""
     rng = np.random.default_rng(0)
-    policy = VerifyPolicy(max_width=BLOCK + 1, buckets=BUCKETS, threshold=threshold, costs=COSTS)
+    planner = Planner(BLOCK, width="auto", threshold=threshold, costs=COSTS)
     active = np.ones(3, bool)
     for _ in range(300):
         confidences = rng.uniform(0.3, 1.0, size=(3, BLOCK))
-        _, limits = policy.plan(confidences, active)
+        limits = drafts(planner, confidences, active).limits
         row, slot = rng.integers(3), rng.integers(1, BLOCK + 1)
         changed = confidences.copy()
         changed[row, slot:] = rng.uniform(0.0, 1.0, size=BLOCK - slot)
-        _, changed_limits = policy.plan(changed, active)
+        changed_limits = drafts(planner, changed, active).limits
         assert (limits[row] >= slot) == (changed_limits[row] >= slot)
 
 
@@ -205,37 +214,119 @@ def test_measured_curves_never_decrease_with_width():
     assert monotone({1: 0.5, 2: 0.4, 3: 0.7, 4: 0.6}) == {1: 0.5, 2: 0.5, 3: 0.7, 4: 0.7}
 
 
-# ---- the gate: whether a round drafts at all
+# ---- the planner: whether a round drafts, which rows copy, and what it learns
 
 GATE_COSTS = CostCurve(0.5, {1: 1.0, 2: 1.1, 3: 1.2, 4: 1.3, 6: 1.5})
+ALL = np.ones(4, bool)
+NO_COPIES = np.zeros(4, int)
 
 
-def test_gate_measures_acceptance_per_slot():
+def drafted_round(planner: Planner, accepted, limits, confidences) -> None:
+    """``planner`` learns from a round in which every row verified the draft."""
+    rows = len(accepted)
+    plan = Plan(BLOCK + 1, np.array(limits), np.ones(rows, bool), np.zeros(rows, bool), np.array(confidences))
+    planner.learn(plan, np.array(accepted), [Copy([], 0)] * rows, [[] for _ in range(rows)])
+
+
+def test_the_planner_measures_the_drafts_acceptance_per_slot():
     """Row 0 kept 2 of 3 drafts, row 1 none of 3, row 2 verified one draft
     and kept it (slot 2 unverified: its confidence 0.25 stands in)."""
-    gate = DraftGate.start(GATE_COSTS, width_buckets(5), 5)
-    confidences = np.full((3, 5), 0.5)
+    planner = Planner(BLOCK, costs=GATE_COSTS)
+    confidences = np.full((3, BLOCK), 0.5)
     confidences[2, 1] = 0.25
-    gate.observe(np.array([2, 0, 1]), np.array([3, 3, 1]), confidences)
-    assert gate.acceptance[:3].tolist() == pytest.approx([2 / 3, (1 + 0.25) / 2, 0.0])
-    assert gate.observed[:4].tolist() == [3, 2, 1, 0]
-    assert gate.acceptance[3:].tolist() == [1.0, 1.0]  # not reached: still untried
+    drafted_round(planner, [2, 0, 1], [3, 3, 1], confidences)
+    acceptance, observed = planner.rates.acceptance[DRAFTED], planner.rates.observed[DRAFTED]
+    assert acceptance[:3].tolist() == pytest.approx([2 / 3, (1 + 0.25) / 2, 0.0])
+    assert observed[:4].tolist() == [3, 2, 1, 0]
+    assert acceptance[3:].tolist() == [1.0, 1.0]  # not reached: still untried
 
 
-def test_gate_declines_when_drafting_does_not_pay_and_probes_with_backoff():
-    gate = DraftGate.start(GATE_COSTS, width_buckets(5), 5)
-    assert gate.draft_next()  # untried: optimistic
-    gate.observe(np.zeros(4, int), np.full(4, 5), np.full((4, 5), 0.1))  # every draft rejected
-    decisions = [gate.draft_next() for _ in range(60)]
+def test_the_planner_declines_drafts_that_do_not_pay_and_probes_with_backoff():
+    planner = Planner(BLOCK, costs=GATE_COSTS)
+    assert planner.sources(NO_COPIES, ALL).draft  # untried: optimistic
+    drafted_round(planner, np.zeros(4, int), np.full(4, 5), np.full((4, 5), 0.1))  # every draft rejected
+    decisions = [planner.sources(NO_COPIES, ALL).draft for _ in range(60)]
     probes = [i for i, drafted in enumerate(decisions) if drafted]
     gaps = np.diff([-1] + probes) - 1  # plain rounds before each probe
     assert gaps.tolist()[:6] == [1, 2, 4, 8, 16, 16]
+    planner.reset()
+    assert planner.sources(NO_COPIES, ALL).draft and planner.rates.observed.sum() == 0
 
 
-def test_gate_drafts_again_once_acceptance_recovers():
-    gate = DraftGate.start(GATE_COSTS, width_buckets(5), 5)
-    gate.observe(np.zeros(4, int), np.full(4, 5), np.full((4, 5), 0.1))
-    assert not gate.draft_next()
+def test_the_planner_drafts_again_once_acceptance_recovers():
+    planner = Planner(BLOCK, costs=GATE_COSTS)
+    drafted_round(planner, np.zeros(4, int), np.full(4, 5), np.full((4, 5), 0.1))
+    assert not planner.sources(NO_COPIES, ALL).draft
     for _ in range(10):  # an easy stretch: every draft accepted
-        gate.observe(np.full(4, 5), np.full(4, 5), np.full((4, 5), 0.9))
-    assert all(gate.draft_next() for _ in range(5))
+        drafted_round(planner, np.full(4, 5), np.full(4, 5), np.full((4, 5), 0.9))
+    assert all(planner.sources(NO_COPIES, ALL).draft for _ in range(5))
+
+
+def test_fixed_widths_draft_every_round_and_the_threshold_cuts_drafts_only():
+    every = Planner(BLOCK, width=4, threshold=0.5)
+    assert every.ahead and every.max_width == 4 and every.costs is None
+    assert all(every.sources(NO_COPIES, ALL).draft for _ in range(5))
+    confidences = np.array([[0.9, 0.4, 0.9, 0.9, 0.9], [0.9] * 5, [0.9] * 5, [0.1] * 5])
+    fresh = np.array([False, False, True, False])  # joined after the draft: nothing to verify
+    plan = every.plan(confidences, NO_COPIES, Sources(True, np.zeros(4, bool)), ALL, fresh)
+    assert plan.width == 4 and plan.limits.tolist() == [1, 3, 0, 0]
+    assert [plan.source(row) for row in range(4)] == ["draft", "draft", "", ""]
+    plain = Planner(BLOCK, width=1, proposals="copy")
+    nothing = plain.sources(np.array([2, 0, 1, 0]), ALL)
+    assert not plain.copies and not nothing.draft and not nothing.copying.any()
+    assert plain.plan(None, NO_COPIES, Sources(False, np.zeros(4, bool)), ALL, ~ALL).width == 1
+    copies_only = Planner(BLOCK, width=None, proposals="copy", threshold=0.95)
+    live = np.array([True, True, True, False])
+    sources = copies_only.sources(np.array([2, 0, 1, 3]), live)
+    assert not copies_only.ahead and not sources.draft and sources.copying.tolist() == [True, False, True, False]
+    plan = copies_only.plan(None, np.array([2, 0, 1, 3]), sources, live, ~ALL)  # untried copies: rated 1
+    assert plan.width == BLOCK + 1 and plan.limits.tolist() == [BLOCK, 0, BLOCK, 0]
+    assert [plan.source(row) for row in range(4)] == ["copy", "", "copy", ""]
+
+
+def test_the_planner_chooses_copies_where_they_beat_the_draft():
+    """Copies of a 3-token match measured always right, the draft fair: the
+    rows with such a copy verify it, the rows without one take the draft;
+    when every live row has one, the round runs no draft pass. A copy is
+    scored against what its row committed, verified or not."""
+    planner = Planner(BLOCK, costs=COSTS)
+    planner.rates.acceptance[DRAFTED] = 0.6
+    matches = np.array([3, 0, 0, 3])
+    drafts_tokens = [1, 2, 3, 4, 5]
+    for _ in range(3):
+        plan = Plan(1, np.zeros(4, np.int32), ~ALL, ~ALL, None)  # a plain round: the copies were not verified
+        planner.learn(plan, np.zeros(4, int), [Copy(drafts_tokens, match) for match in matches],
+                      [drafts_tokens[:2]] * 4)
+    assert planner.rates.acceptance[3, :2].tolist() == [1.0, 1.0] and planner.rates.observed[3, 2] == 0
+    sources = planner.sources(matches, ALL)
+    assert sources.draft and sources.copying.tolist() == [True, False, False, True]
+    alone = planner.sources(matches, np.array([True, False, False, True]))
+    assert not alone.draft and alone.copying.tolist() == [True, False, False, True]
+
+
+def test_the_planner_keeps_its_measurements_across_batch_sizes_and_measures_each_once():
+    measured = []
+
+    def measure(batch: int, widths: tuple) -> CostCurve:
+        measured.append((batch, widths))
+        return CostCurve(0.1 * batch, {width: 1.0 + 0.01 * width for width in widths})
+
+    planner = Planner(BLOCK, costs=measure, batch=2)
+    drafted_round(planner, [1, 2], [3, 3], np.full((2, BLOCK), 0.5))
+    rates = planner.rates.acceptance.copy()
+    planner.resize(4)
+    planner.resize(2)
+    planner.resize(4)
+    assert measured == [(2, BUCKETS), (4, BUCKETS)] and planner.costs.draft == pytest.approx(0.4)
+    assert (planner.rates.acceptance == rates).all()
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(width=BLOCK + 2), r"verify width 7 must be in 1..6"),
+    (dict(width="wide"), r"verify width must be an integer, None or 'auto', got 'wide'"),
+    (dict(width=None, proposals="lookup"), r"proposals must be one of auto, draft, copy, got 'lookup'"),
+    (dict(width="auto"), r"width 'auto' plans from a cost curve"),
+])
+def test_the_planner_refuses_bad_settings(settings, message):
+    with pytest.raises(ValueError, match=message):
+        Planner(BLOCK, **settings)

@@ -2,13 +2,13 @@
 (and, per hybrid family, one serving a tiny hybrid target: recurrent layers beside attention).
 
 Breaks tried, and the tests that catch them:
-- a finished row storing its cache under every committed token even when the
-  last round went past the reply (the engine without ``with_states``): the
-  stored recurrent state then serves no follow-up,
-  test_hybrid_conversation_resumes_from_its_stored_state[lfm2 / qwen3_5];
-- that row keeping the length from before the round but the recurrent states
-  after it (``with_states`` leaving the entries as they are): the same test
-  (the second answer differs from mlx-lm's).
+- a finished request storing its cache under every committed token even when
+  the last round went past the reply (``Decoder._kept_cache`` without the
+  states from before that round): the stored recurrent state then serves no
+  follow-up, test_hybrid_conversation_resumes_from_its_stored_state[lfm2 / qwen3_5];
+- that cache keeping the length from before the round but the recurrent
+  states after it (``row_cache`` not given the earlier states): the same
+  test (the second answer differs from mlx-lm's).
 """
 
 import json
@@ -74,7 +74,7 @@ def running_server(root, max_batch: int, verify: str | int = "auto", launcher: t
     process = subprocess.Popen(
         [*launcher, sys.executable, "-m", "dspark_fn.cli", "serve", "--model", str(root / "target"), "--draft", str(root / "draft"),
          "--port", str(port), "--max-batch", str(max_batch), "--max-context", "512", "--dtype", "float32",
-         "--verify", str(verify), *extra],
+         "--width", str(verify), *extra],
         stdout=log.open("w"), stderr=subprocess.STDOUT, env=dict(os.environ, DSPARK_FN_CACHE=str(root / "costs")),
     )
     try:
@@ -272,7 +272,9 @@ BAD = {
     "bad temperature": ({"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, 400, "'temperature' must be >= 0"),
     "bad top_p": ({"messages": [{"role": "user", "content": "hi"}], "top_p": 0}, 400, "'top_p' must be > 0"),
     "image content": ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-                      400, "only text content"),
+                      400, "this target (qwen3) takes no images"),
+    "audio content": ({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]},
+                      400, "'text' and 'image_url' parts (no audio or files)"),
     "top_logprobs without logprobs": ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400,
                                       "'top_logprobs' needs 'logprobs': true"),
     "too many top_logprobs": ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
@@ -624,7 +626,7 @@ def stopping(tmp_path_factory):
     memorising_draft(root / "draft", config, prompt + answer)
     params = dspark_fn.catalog.load_named(str(root / "target"), str(root / "draft"), dtype=mx.float32)[0]
     decoder = Decoder(params, 1, width=4)
-    ends = [len(decoder.insert([0], [prompt]).emitted[0])]
+    ends = [len(decoder.insert([prompt]).emitted[0])]
     while ends[-1] < len(answer):
         ends.append(ends[-1] + len(decoder.step().emitted[0]))
     firsts = set(ends)  # the index of each round's first token

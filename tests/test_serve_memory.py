@@ -6,8 +6,9 @@ than the weights, the idle batch and what ``/health`` says the prompt
 cache holds (nothing else keeps buffers alive).
 
 Breaks tried, and what caught them:
-- the prompt cache storing slices of the running batch's buffers (no copy
-  in ``engine.shrink``): each entry keeps a whole batch buffer alive, and
+- the prompt cache storing slices of the running batch's buffers
+  (``buffers.row_cache`` cutting views of them, no copy): each entry keeps a
+  whole batch buffer alive, and
   the held memory exceeds the accounted one.
 """
 

@@ -51,7 +51,7 @@ class ScriptedEngine:
     max_context, failure, dead = 4096, None, False
 
     class decoder:  # noqa: N801 - the attribute the app reads
-        class policy:  # noqa: N801
+        class planner:  # noqa: N801
             max_width = 1
 
     def __init__(self, tokenizer):

@@ -78,6 +78,33 @@ def single_stream_speed(params: Params, prompt: list, max_new_tokens: int, stop_
     return count / (time.perf_counter() - start)
 
 
+class AnswerFile:
+    """The answers on disk and in memory; each new one is on disk before the next step."""
+
+    def __init__(self, path: Path, on_answer: Callable[[int, int], None]):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _drop_torn_tail(path)
+        self.path, self.on_answer = path, on_answer
+        self.done = read_answers(path)
+        self.answered = {tuple(a.prompt): len(a.answer) for a in self.done}  # prompt -> its answer's length
+        self.tokens = sum(len(a.answer) for a in self.done)
+        on_answer(len(self.done), self.tokens)
+
+    def keep(self, prompts: Sequence[tuple[str, list]], ended: list) -> int:
+        """The answers of sequences that ended (tagged with their prompt's
+        index); returns their answer tokens."""
+        added = 0
+        for sequence in ended:
+            source, prompt = prompts[sequence.tag]
+            self.done.append(Answer(source=source, prompt=list(prompt), answer=sequence.tokens))
+            atomic.append_line(self.path, json.dumps(self.done[-1]._asdict()))
+            self.answered[tuple(prompt)] = len(sequence.tokens)
+            added += len(sequence.tokens)
+            self.tokens += len(sequence.tokens)
+            self.on_answer(len(self.done), self.tokens)
+        return added
+
+
 def answer_prompts(
     params: Params,
     prompts: Sequence[tuple[str, list]],
@@ -94,57 +121,31 @@ def answer_prompts(
     prompts run out), so ``prefix_answers`` finds every answer it needs.
     ``on_answer(answers, answer tokens)`` reports progress. Returns every
     answer in the file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    _drop_torn_tail(path)
-    done = read_answers(path)
-    answered = {tuple(a.prompt): len(a.answer) for a in done}
-    tokens = sum(len(a.answer) for a in done)
-    on_answer(len(done), tokens)
+    answers = AnswerFile(Path(path), on_answer)
     decoder = Decoder(params, batch_size, width=1)
-    rows: dict = {}  # row -> (source, prompt, answer so far)
     position, covered = 0, 0  # the next prompt to start; answer tokens of the prompts before it
-
-    def skip_answered() -> None:
-        nonlocal position, covered
-        while position < len(prompts) and tuple(prompts[position][1]) in answered:
-            covered += answered[tuple(prompts[position][1])]
-            position += 1
-
-    def record(step) -> None:
-        """Each row's new tokens; a row the decoder ended is an answer, on disk before the next step."""
-        nonlocal tokens, covered
-        for event in step.events():
-            source, prompt, answer = rows[event.row]
-            answer += event.emitted
-            if event.finish is None:
-                continue
-            del rows[event.row]
-            done.append(Answer(source=source, prompt=prompt, answer=answer))
-            atomic.append_line(path, json.dumps(done[-1]._asdict()))
-            answered[tuple(prompt)] = len(answer)
-            tokens += len(answer)
-            covered += len(answer)
-            on_answer(len(done), tokens)
-
-    def fill() -> None:
-        nonlocal position
-        skip_answered()
-        free = [row for row in range(batch_size) if row not in rows]
-        if len(free) < max(1, batch_size // 4) and rows or position >= len(prompts) or covered >= target_tokens:
-            return
-        batch = []
-        while len(batch) < len(free) and position < len(prompts):
-            batch.append((prompts[position][0], list(prompts[position][1])))
-            position += 1
-            skip_answered()
-        for row, (source, ids) in zip(free, batch):
-            rows[row] = (source, ids, [])
-        record(decoder.insert(free[: len(batch)], [ids for _, ids in batch], max_new_tokens=max_new_tokens,
-                              stop_tokens=stop_tokens))
-
     while True:
-        fill()
-        if not rows:
-            return done
-        record(decoder.step())
+        position, skipped = _skip_answered(prompts, answers.answered, position)
+        covered += skipped
+        refill = decoder.free >= max(1, batch_size // 4) or not decoder.busy
+        if refill and position < len(prompts) and covered < target_tokens:
+            starting = []  # prompt indices, the sequences' tags
+            while len(starting) < decoder.free and position < len(prompts):
+                starting.append(position)
+                position, skipped = _skip_answered(prompts, answers.answered, position + 1)
+                covered += skipped
+            step = decoder.insert([list(prompts[i][1]) for i in starting], tags=starting,
+                                  max_new_tokens=max_new_tokens, stop_tokens=stop_tokens)
+            covered += answers.keep(prompts, step.ended)
+        if not decoder.busy:
+            return answers.done
+        covered += answers.keep(prompts, decoder.step().ended)
+
+
+def _skip_answered(prompts: Sequence[tuple[str, list]], answered: dict, position: int) -> tuple[int, int]:
+    """The first prompt from ``position`` on without an answer, and the answer tokens of those skipped."""
+    skipped = 0
+    while position < len(prompts) and tuple(prompts[position][1]) in answered:
+        skipped += answered[tuple(prompts[position][1])]
+        position += 1
+    return position, skipped

@@ -1,20 +1,20 @@
 """Continuous batching: requests join a running batch between rounds and leave when done.
 
-One thread owns the model and a ``Decoder``. Between rounds it sizes the
-batch to the requests at hand (a power of two up to ``max_batch``: one
-client runs a batch of one), inserts waiting requests into free rows (their
-prompt prefilled alone, reusing a cached conversation prefix when one
-matches) and frees the rows of finished or cancelled requests; every round
-advances all active rows at once. Each row keeps its own sampling settings
-and seed. Requests talk to the thread through queues only, so the web
-server never touches MLX.
+One thread owns the model and a ``Decoder``. Between rounds it releases
+cancelled requests, sizes the batch to the requests at hand (a power of two
+up to ``max_batch``: one client runs a batch of one) and inserts waiting
+requests (their prompt prefilled alone, reusing a cached conversation
+prefix when one matches); every round advances all running requests at
+once. A request is a sequence of the decoder tagged with its number: the
+engine never sees rows. Each keeps its own sampling settings and seed.
+Requests talk to the thread through queues only, so the web server never
+touches MLX.
 
-A finished row's cache is kept for the conversation's next turn. A round
-may commit tokens past the reply's end (drafts accepted beyond the budget
-or a stop token) that the client never sees, so its next turn does not
-repeat them: attention slots serve any shorter prefix, but a recurrent
-state holds only after every committed token, so such a row keeps the
-recurrent states it had before that round instead.
+A request that ends comes back from the decoder as one record, whose cache
+(cut to what the client saw; ``Decoder._kept_cache`` says how for
+recurrent states) is kept for the conversation's next turn, under its
+tokens with each image token paired with its image's content hash: a later
+turn about the same image reuses it and never encodes the image again.
 
 Over several ranks (``mlx.launch``) rank 0 serves HTTP and every rank runs
 this same thread on its share of the target. The thread's only inputs are
@@ -55,15 +55,15 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import mlx.core as mx
-from mlx.utils import tree_flatten, tree_map
+from mlx.utils import tree_flatten
 
-from ..buffers import capacity_for, init_cache
-from ..cache import Cache, is_recurrent, map_slots
+from ..buffers import capacity_for, init_cache, row_cache
+from ..cache import Cache
 from ..driver import TOP_LOG_PROBS, Decoder, token_scores
 from ..prefilling import score_prompt
 from ..sampling import GREEDY, Sampling
 from ..stats import Tally
-from ..types import Params, TokenLogProbs
+from ..types import Ended, ImagePrompt, Params, TokenLogProbs, prompt_key
 
 RETRY_AFTER = 1  # seconds a refused client is asked to wait before trying again
 
@@ -87,7 +87,7 @@ class Request:
     tokens of each round on ``events``, then one that ends it ("done" or
     "error"); ``cancel()`` frees its row."""
 
-    prompt: list
+    prompt: list  # token ids, or an ImagePrompt
     max_tokens: int
     sampling: Sampling = GREEDY
     seed: int = 0
@@ -95,7 +95,7 @@ class Request:
     top_log_probs: int | None = None  # score each token, with this many most likely alternatives
     score_prompt: bool = False  # score the prompt's tokens too (an Update "prompt" before the first tokens)
     events: queue.Queue = field(default_factory=queue.Queue)
-    acceptance: Tally = field(default_factory=Tally)
+    acceptance: Tally = field(default_factory=Tally)  # the rounds delivered so far
     cached_tokens: int = 0  # prompt tokens reused from the prompt cache
     produced: int = 0
     number: int = -1  # the engine's count of it, the same on every rank
@@ -171,31 +171,6 @@ def common_prefix(a: list, b: list) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def shrink(cache: Cache, capacity: int) -> Cache:
-    """A one-row cache cut to ``capacity`` slots, in buffers of its own: a
-    slice of the running batch's buffers would keep all of them alive (a
-    stored prefix keeps only what it holds)."""
-    cut = lambda a: a[:, :, :capacity]  # noqa: E731
-    cache = cache._replace(target=map_slots(cut, cache.target), draft=map_slots(cut, cache.draft))
-    return tree_map(mx.contiguous, cache)
-
-
-def recurrent_states(cache: Cache) -> list:
-    """Per target layer: a recurrent layer's state entry (every row), else None."""
-    return [entry if is_recurrent(entry) else None for entry in cache.target]
-
-
-def with_states(cache: Cache, states: list, row: int, length: int) -> Cache:
-    """A one-row ``cache`` whose recurrent entries are row ``row`` of
-    ``states``, committed ``length`` tokens: its slots at earlier positions
-    are the same at any later round, so it is that row's cache back then."""
-    target = [
-        {name: value[row : row + 1] for name, value in state.items()} if state is not None else entry
-        for entry, state in zip(cache.target, states)
-    ]
-    return cache._replace(target=target, length=mx.array([length], mx.int32))
-
-
 class PromptCache:
     """Finished conversations' caches, least recently used evicted past
     ``budget_bytes``. A new prompt reuses the stored sequence sharing its
@@ -213,22 +188,27 @@ class PromptCache:
         return sum(size for _, size in self.entries.values())
 
     def store(self, tokens: list, cache: Cache) -> None:
+        """Keep a one-row ``cache`` in buffers of its own (``buffers.row_cache``)
+        under the leading tokens of ``tokens`` it holds (its length)."""
+        tokens = tokens[: int(cache.length[0])]
         if self.budget <= 0 or len(tokens) < self.min_tokens:
             return
-        cache = shrink(cache, capacity_for(len(tokens)))
-        mx.eval(cache)  # its own buffers: the running batch's stay free to update in place
+        mx.eval(cache)  # the running batch's buffers stay free to update in place
         size = sum(a.nbytes for _, a in tree_flatten((cache.target, cache.draft)))
         self.entries[tuple(tokens)] = (cache, size)
         self.entries.move_to_end(tuple(tokens))
         while self.entries and self.used > self.budget:
             self.entries.popitem(last=False)
 
-    def lookup(self, prompt: list) -> Cache | None:
-        """The stored cache sharing the longest prefix with ``prompt``, its
-        length cut to that prefix (and to leave at least one prompt token)."""
+    def lookup(self, prompt: list, resumable=None) -> Cache | None:
+        """The stored cache sharing the longest prefix with ``prompt`` (a
+        ``prompt_key``: images by their content), its length cut to that
+        prefix (and to leave at least one prompt token; with ``resumable``,
+        to the longest prefix it allows: not inside an image)."""
         best, best_length = None, 0
         for tokens, (cache, _) in self.entries.items():
             length = min(common_prefix(list(tokens), prompt), len(prompt) - 1)
+            length = resumable(length) if resumable is not None else length
             if cache.recurrent and length != len(tokens):
                 continue
             if length > best_length:
@@ -263,7 +243,7 @@ class Engine:
         self.arrived: deque = deque()  # submitted, not yet taken in by the engine thread
         self.waiting: deque = deque()  # taken in, waiting for a row
         self.taken = 0  # requests taken in so far
-        self.rows: dict = {}  # row -> (request, every token in the row: prompt + generated)
+        self.running: dict = {}  # request number (its sequence's tag) -> request
         self.wake = threading.Condition()
         self.stopping = False
         self.failure: str | None = None  # the last failure, until the engine runs again
@@ -289,7 +269,10 @@ class Engine:
         self._run(self._options, threading.Event())
 
     def submit(self, request: Request) -> Request:
-        if len(request.prompt) + request.max_tokens + self.decoder.policy.max_width > self.max_context:
+        if self.group is not None and isinstance(request.prompt, ImagePrompt):
+            raise ValueError("images are not served across ranks (mlx.launch): the ranks share requests as token "
+                             "ids; serve a multimodal release from one process to send it images")
+        if len(request.prompt) + request.max_tokens + self.decoder.planner.max_width > self.max_context:
             raise ValueError(
                 f"prompt of {len(request.prompt)} tokens + max_tokens {request.max_tokens} exceed the "
                 f"context of {self.max_context} tokens"
@@ -309,7 +292,7 @@ class Engine:
     def cancel_all(self) -> None:
         """End every waiting and running request at the next round (shutting down)."""
         with self.wake:
-            for request in list(self.arrived) + list(self.waiting) + [r for r, _ in self.rows.values()]:
+            for request in list(self.arrived) + list(self.waiting) + list(self.running.values()):
                 request.cancel()
             self.wake.notify()
 
@@ -326,7 +309,7 @@ class Engine:
 
     def stats(self) -> dict:
         return {
-            "active": len(self.rows),
+            "active": len(self.running),
             "batch": self.decoder.batch,
             "waiting": self.queued,
             "queue": {"waiting": self.queued, "max": self.max_queue, "timeout_seconds": self.queue_timeout,
@@ -335,6 +318,7 @@ class Engine:
                              "budget_bytes": self.prompt_cache.budget,
                              "hits": self.prompt_cache.hits, "misses": self.prompt_cache.misses},
             "memory": memory_use(),
+            "images_encoded": self.params.vision.encoded if self.params.vision is not None else 0,
         }
 
     # ---- the decoding thread
@@ -355,7 +339,7 @@ class Engine:
         finally:
             with self.wake:  # the thread ends: nothing more is queued for it
                 self.stopping = True
-                ended = [r for r, _ in self.rows.values()] + list(self.waiting) + list(self.arrived)
+                ended = list(self.running.values()) + list(self.waiting) + list(self.arrived)
                 self.waiting.clear()
                 self.arrived.clear()
             for request in ended:
@@ -369,7 +353,7 @@ class Engine:
         for batch in sorted({running_batch(n, self.max_batch) for n in range(1, self.max_batch + 1)}):
             decoder.resize(batch)
         decoder.resize(1)
-        self.decoder, self.rows = decoder, {}
+        self.decoder, self.running = decoder, {}
         self.prompt_cache.entries.clear()
 
     def _decode(self) -> bool:
@@ -377,27 +361,28 @@ class Engine:
         ends each request in the batch with its message, never silently."""
         try:
             while self._wait_for_work():
+                self._release_cancelled()
                 self._fit_batch()
                 self._admit()
-                if self.rows:
-                    self._round()
-                    self._fit_batch()  # rows that left: the next round, or the idle wait, runs smaller
+                if self.running:
+                    self._deliver(self.decoder.step())
+                    self._fit_batch()  # requests that ended: the next round, or the idle wait, runs smaller
             return False
         except Exception as error:
             self.failure = f"{type(error).__name__}: {error}"
             traceback.print_exc()  # for the operator: code and messages, never a prompt
-            for request, _ in self.rows.values():
+            for request in self.running.values():
                 request.events.put(Update("error", self.failure))
-            self.rows = {}
+            self.running = {}
             return True
 
     def _wait_for_work(self) -> bool:
         """Take in this pass's inputs (the same on every rank); False once stopping."""
         if self.group is None or self.group.rank() == 0:
             with self.wake:
-                while not self.stopping and not self.arrived and not self.waiting and not self.rows:
+                while not self.stopping and not self.arrived and not self.waiting and not self.running:
                     self.wake.wait()
-                known = list(self.waiting) + [request for request, _ in self.rows.values()]
+                known = list(self.waiting) + list(self.running.values())
                 now = time.monotonic()
                 inputs = {"arrived": [request.settings() | {"cancelled": request.cancelled} for request in self.arrived],
                           "cancelled": [r.number for r in known if r.cancelled and not r.dropped],
@@ -420,7 +405,7 @@ class Engine:
             request.number, self.taken = self.taken, self.taken + 1
             request.dropped = settings["cancelled"]
             self.waiting.append(request)
-        for request in list(self.waiting) + [request for request, _ in self.rows.values()]:
+        for request in list(self.waiting) + list(self.running.values()):
             request.dropped = request.dropped or request.number in cancelled
         for request in [r for r in self.waiting if r.number in expired]:
             self.waiting.remove(request)
@@ -428,37 +413,41 @@ class Engine:
             request.events.put(Update("timeout", self.queue_timeout))
         self.stopping = self.stopping or inputs["stop"]
 
+    def _release_cancelled(self) -> None:
+        """Requests cancelled by now leave before the next round."""
+        for number in [number for number, request in self.running.items() if request.dropped]:
+            self._end(self.decoder.release(number))
+
     def _fit_batch(self) -> None:
-        """Grow the batch for waiting requests, shrink it when rows have left."""
-        wanted = running_batch(len(self.rows) + sum(not r.rowless for r in self.waiting), self.max_batch)
+        """Grow the batch for waiting requests, shrink it when requests have left."""
+        wanted = running_batch(len(self.running) + sum(not r.rowless for r in self.waiting), self.max_batch)
         if wanted != self.decoder.batch:
-            moved = self.decoder.resize(wanted)
-            self.rows = {moved[row]: entry for row, entry in self.rows.items()}
+            self.decoder.resize(wanted)
 
     def _admit(self) -> None:
         self._answer_rowless()
-        free = [row for row in range(self.decoder.batch) if row not in self.rows]
-        while free and self.waiting:
+        while self.decoder.free and self.waiting:
             request = self.waiting.popleft()
             if request.dropped:
                 request.events.put(Update("done", "cancelled"))
                 continue
-            row = free.pop(0)
-            if not self.rows:  # alone in the batch: start from a fresh policy, so runs repeat
-                self.decoder.reset_policy()
-            self.rows[row] = (request, list(request.prompt))  # in the batch from here: a failure ends it too
+            if not self.running:  # alone in the batch: start from a fresh planner, so runs repeat
+                self.decoder.planner.reset()
+            self.running[request.number] = request  # in the batch from here: a failure ends it too
             if request.score_prompt:  # its prompt scored at every position: nothing of it comes from the cache
                 scored = self._score(request)[0]  # the row goes on from it, all but the last token (prefilled
                 # again for the first new one): a recurrent state holds only after every token, so not there
                 prefix = None if scored.recurrent else scored._replace(
                     length=mx.array([len(request.prompt) - 1], mx.int32))
             else:
-                prefix = self.prompt_cache.lookup(request.prompt)
+                images = isinstance(request.prompt, ImagePrompt)
+                prefix = self.prompt_cache.lookup(prompt_key(request.prompt),
+                                                  request.prompt.resumable if images else None)
                 request.cached_tokens = int(prefix.length.item()) if prefix is not None else 0
             self._deliver(self.decoder.insert(
-                [row], [request.prompt], sampling=request.sampling, seeds=[request.seed], prefix=prefix,
-                top_log_probs=request.top_log_probs, max_new_tokens=request.max_tokens,
-                stop_tokens=request.stop_tokens,
+                [request.prompt], tags=[request.number], sampling=request.sampling, seeds=[request.seed],
+                prefix=prefix, top_log_probs=request.top_log_probs, max_new_tokens=request.max_tokens,
+                stop_tokens=request.stop_tokens, keep_cache=self.prompt_cache.budget > 0,
             ))
 
     def _answer_rowless(self) -> None:
@@ -475,7 +464,7 @@ class Engine:
                     request.events.put(Update("done", "length"))
                     continue
                 cache, first, score = self._score(request)
-                self.prompt_cache.store(request.prompt, cache)
+                self.prompt_cache.store(prompt_key(request.prompt), row_cache(cache, 0, len(request.prompt)))
                 if request.max_tokens:
                     request.produced = 1
                     request.events.put(Update("tokens", [first], [score]))
@@ -498,38 +487,22 @@ class Engine:
         request.events.put(Update("prompt", None, prompt_scores))
         return cache, int(first[0]), first_score
 
-    def _round(self) -> None:
-        before = (self.decoder.committed.copy(), recurrent_states(self.decoder.cache))
-        self._deliver(self.decoder.step(), before)
-
-    def _deliver(self, step, before: tuple | None = None) -> None:
-        """Hand each row's new tokens (cut by the decoder at the request's stop
-        token and budget) and their scores to its request; free the row of a
-        request that ended or was cancelled. ``before``: the committed counts
-        and recurrent states before this round."""
+    def _deliver(self, step) -> None:
+        """Hand each request its new tokens (cut by the decoder at its stop
+        token and budget) and their scores; end the requests that ended."""
         for event in step.events():
-            if event.row not in self.rows:
-                continue
-            request, tokens = self.rows[event.row]
-            if request.dropped:
-                self._finish(event.row, "cancelled", before)
-                continue
-            tokens += event.emitted
+            request = self.running[event.tag]
             request.acceptance.count(event)
             request.produced += len(event.emitted)
             if event.emitted:
                 request.events.put(Update("tokens", event.emitted, event.log_probs))
-            if event.finish is not None:
-                self._finish(event.row, event.finish, before)
+        for ended in step.ended:
+            self._end(ended)
 
-    def _finish(self, row: int, reason: str, before: tuple | None = None) -> None:
-        request, tokens = self.rows[row]  # it leaves the batch last: a failure on the way still ends it
-        committed, cache = int(self.decoder.committed[row]), self.decoder.row_cache(row)
-        if cache.recurrent and committed > len(tokens) and before is not None:  # the round went past the reply
-            committed = int(before[0][row])
-            cache = with_states(cache, before[1], row, committed)
-        kept = tokens[:committed]  # what the row's cache holds of the conversation the client saw
-        self.prompt_cache.store(kept, cache._replace(length=mx.array([len(kept)], mx.int32)))
-        self.decoder.release(row)
-        del self.rows[row]
-        request.events.put(Update("done", reason))
+    def _end(self, ended: Ended) -> None:
+        """Keep the ended request's cache for its conversation's next turn,
+        then tell the request (it leaves the engine last: a failure on the
+        way still ends it)."""
+        if ended.cache is not None:
+            self.prompt_cache.store(ended.context, ended.cache)
+        self.running.pop(ended.tag).events.put(Update("done", ended.finish))
