@@ -1,7 +1,8 @@
 """README.md's Python blocks run as printed, each in a fresh process (the way
 a newcomer pastes them). A block that leaves ``params``, ``prompt`` and the
 generated ``out`` behind (the opening decoding loop) must also have produced
-exactly the target's own greedy tokens: mlx-lm on the same weights.
+exactly the target's own greedy tokens: mlx-lm on the same weights; the
+constrained loop must print whole JSON.
 
 Breaks tried: the README calling a loader that does not exist (the block
 fails), and the loop keeping one token more than ``step.count`` per round
@@ -9,10 +10,12 @@ fails), and the loop keeping one token more than ``step.count`` per round
 """
 
 import importlib.util
+import json
 import os
 import re
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -35,7 +38,7 @@ if {"params", "prompt", "out"} <= set(globals()):
 
 
 def python_blocks() -> list[str]:
-    return re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    return [textwrap.dedent(block) for block in re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)]
 
 
 @pytest.mark.parametrize("index", range(len(python_blocks())))
@@ -47,5 +50,7 @@ def test_readme_python_block_runs_as_printed(index, tmp_path):
                           timeout=600, env=os.environ | {"PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip(), "the block printed nothing"
-    if "speculate" in block:
+    if "Constraint.json_schema" in block:  # a constrained loop prints its answer: JSON, whole
+        json.loads(done.stdout)
+    elif "speculate" in block:
         assert "equals the target's greedy tokens" in done.stdout
