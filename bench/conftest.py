@@ -1,3 +1,5 @@
+import dspark_fn  # noqa: F401  first, before any benchmark loads mlx: OpenBLAS then serves MLX (blas.py)
+
 import sys
 from pathlib import Path
 

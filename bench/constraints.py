@@ -22,6 +22,7 @@ Times are the fastest of several runs taking turns (``costs.fastest_seconds``).
 
 import os
 
+import dspark_fn  # noqa: F401  before mlx: OpenBLAS then serves MLX's matmuls (dspark_fn/blas.py)
 import mlx.core as mx
 import numpy as np
 

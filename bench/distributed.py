@@ -23,9 +23,9 @@ import sys
 import time
 from collections import Counter
 
+import dspark_fn  # before mlx: OpenBLAS then serves MLX's matmuls (dspark_fn/blas.py)
 import mlx.core as mx
 
-import dspark_fn
 from dspark_fn import rounds
 from dspark_fn.distributed import load_sharded, rank_report, world
 from dspark_fn.catalog import load_named

@@ -1,8 +1,10 @@
 """Cost of each compiled kernel on the embedded default (SmolLM2-135M + bundled draft),
-at several committed context lengths, next to mlx-lm's own decode step.
+at several committed context lengths, next to mlx-lm's own decode step; and
+the prefill of prompts of several lengths next to mlx-lm's, in either
+smallest chunk (the BLAS in use decides which one ``prefill`` takes).
 
-    python bench/kernels.py                 # contexts 256, 1024, 4096
-    CONTEXTS=256,1024 python bench/kernels.py
+    python bench/kernels.py                 # contexts 256, 1024, 4096; prompts 69, 200
+    CONTEXTS=256,1024 PROMPTS=69 python bench/kernels.py
 
 Each kernel runs on a cache whose committed length is the context (the buffer
 contents do not change the cost); times are the fastest of several runs,
@@ -13,11 +15,13 @@ import dataclasses
 import os
 import time
 
+import dspark_fn  # before mlx: OpenBLAS then serves MLX's matmuls (dspark_fn/blas.py)
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from dspark_fn import generate, init_cache, propose, verify
 from dspark_fn.buffers import capacity_for
+from dspark_fn.prefilling import LINEAR_PREFILL_CHUNK, LONG_PREFILL_CHUNK, PREFILL_CHUNK, prefill, smallest_chunk
 from dspark_fn.rounds import no_proposal
 from dspark_fn.checkpoints import mlx_lm_model
 from dspark_fn.drafts.heads import DRAFT_VOCAB_KEY
@@ -25,6 +29,7 @@ from dspark_fn.catalog import load_named
 from dspark_fn.costs import fastest_seconds
 
 CONTEXTS = [int(c) for c in os.environ.get("CONTEXTS", "256,1024,4096").split(",")]
+PROMPTS = [int(c) for c in os.environ.get("PROMPTS", "69,200").split(",")]
 
 
 def mlx_lm_step(model, context: int):
@@ -102,9 +107,33 @@ def full_vocabulary(params):
     return params._replace(spec=dataclasses.replace(spec, draft=draft_spec), draft=draft)
 
 
+def prefill_runs(params, model, length: int) -> dict:
+    """Prefilling a ``length``-token prompt (under 256 tokens: longer ones
+    start with 256-token chunks either way) into an empty cache: mlx-lm's one
+    forward, and ours in chunks of each smallest size."""
+    if length >= LONG_PREFILL_CHUNK:
+        raise SystemExit(f"PROMPTS: lengths under {LONG_PREFILL_CHUNK}, got {length}")
+    prompt = list(range(1, length + 1))
+
+    def ours(smallest):
+        return lambda: prefill(params, init_cache(params, 1, capacity_for(length)), prompt, chunk_size=smallest)
+
+    def mlx_lm():
+        return model(mx.array([prompt]), cache=make_prompt_cache(model))
+
+    return {"mlx-lm": mlx_lm, f"chunks of {PREFILL_CHUNK}": ours(PREFILL_CHUNK),
+            f"chunks of {LINEAR_PREFILL_CHUNK}": ours(LINEAR_PREFILL_CHUNK)}
+
+
 def main() -> None:
     params, _, config = load_named()
     model = mlx_lm_model(config, params.target)
+    print(f"BLAS: {dspark_fn.blas.in_use().label}; prefill's smallest chunk here: {smallest_chunk()}")
+    print(f"| prompt | mlx-lm prefill ms | chunks of {PREFILL_CHUNK} ms | chunks of {LINEAR_PREFILL_CHUNK} ms |")
+    print("|---|---|---|---|")
+    for length in PROMPTS:
+        ms = {name: 1e3 * seconds for name, seconds in fastest_seconds(prefill_runs(params, model, length)).items()}
+        print(f"| {length} | " + " | ".join(f"{value:.0f}" for value in ms.values()) + " |", flush=True)
     reduced = params.spec.draft.draft_vocab_size
     whole = full_vocabulary(params) if reduced else None
     widths = (1, 2, 3, 4, 6)

@@ -31,6 +31,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import dspark_fn  # noqa: F401  before mlx: OpenBLAS then serves MLX's matmuls (dspark_fn/blas.py)
 import mlx.core as mx
 import numpy as np
 

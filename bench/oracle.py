@@ -2,7 +2,7 @@
 blocks verified by ``verify_block`` on the embedded default target, with the
 acceptance under control.
 
-    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 python bench/oracle.py
+    python bench/oracle.py
     TAUS=2,4 TOKENS=64 python bench/oracle.py
 
 For each tau every round verifies ``w`` tokens: the anchor, then tau - 1 of
@@ -27,6 +27,7 @@ import os
 import statistics
 import time
 
+import dspark_fn  # noqa: F401  before mlx: OpenBLAS then serves MLX's matmuls (dspark_fn/blas.py)
 import mlx.core as mx
 
 from dspark_fn import init_cache, prefill, propose, verify, verify_block

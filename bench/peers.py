@@ -27,6 +27,7 @@ import tempfile
 from pathlib import Path
 from typing import NamedTuple
 
+import dspark_fn  # noqa: F401  before mlx: OpenBLAS then serves MLX's matmuls (dspark_fn/blas.py)
 import mlx.core as mx
 
 # DeepSpec top-level draft fields that mlx-vlm reads from ``dflash_config``.

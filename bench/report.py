@@ -22,6 +22,7 @@ import platform
 import sys
 import time
 
+import dspark_fn  # before mlx: OpenBLAS then serves MLX's matmuls (dspark_fn/blas.py)
 import mlx.core as mx
 
 from workloads import dspark_generate, eager, fixture_pair, median_seconds, mlx_lm_generate
@@ -44,7 +45,7 @@ BATCH = 10
 
 
 def machine() -> str:
-    blas = "OpenBLAS" if "openblas" in os.environ.get("LD_PRELOAD", "") else "default BLAS"
+    blas = dspark_fn.blas.in_use().label
     return f"{platform.machine()}, {os.cpu_count()} cores, mlx {mx.__version__} ({mx.default_device()}), {blas}"
 
 

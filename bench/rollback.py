@@ -21,6 +21,7 @@ show the rollback's share. Times are the fastest of several runs.
 
 import os
 
+import dspark_fn  # noqa: F401  before mlx: OpenBLAS then serves MLX's matmuls (dspark_fn/blas.py)
 import mlx.core as mx
 
 from dspark_fn.cache import settle_entry

@@ -1,7 +1,7 @@
 """Where both proposal sources exist, which block keeps more: the draft's,
 the copy's, or a merged one (the copied tokens, then the draft's)?
 
-    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 python bench/sources.py
+    python bench/sources.py
     N=4 TOKENS=128 DATASETS=gsm8k,mbpp python bench/sources.py
 
 The embedded default decodes each prompt greedily with the draft alone,

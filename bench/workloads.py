@@ -10,9 +10,9 @@ import statistics
 import time
 from pathlib import Path
 
+import dspark_fn  # before mlx: OpenBLAS then serves MLX's matmuls (dspark_fn/blas.py)
 import mlx.core as mx
 
-import dspark_fn
 
 PARITY = Path(os.environ.get("DSPARK_PARITY_DIR", Path(__file__).resolve().parents[2] / "shared" / "parity"))
 

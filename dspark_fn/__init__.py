@@ -15,11 +15,17 @@ size, V vocabulary, V' draft vocabulary, d hidden size, F tapped features
 
 from importlib import import_module
 
+from . import blas
+
+__version__ = "0.1.0"
+
+blas.in_use()  # first, before anything loads mlx: OpenBLAS then serves MLX's CPU matmuls (see blas.py)
+
 # Each public name and the module it lives in; imported on first use, so a
 # tool (``dspark --help``, loading a checkpoint) loads only what it needs.
 _EXPORTS = {
     "Cache": "cache",
-    "load": "checkpoints", "load_draft": "checkpoints", "load_target": "checkpoints",
+    "load": "checkpoints", "load_draft": "checkpoints", "load_target": "checkpoints", "load_pair": "catalog",
     "measured_costs": "costs",
     "ARCH_REGISTRY": "drafts", "DraftArch": "interfaces", "register_arch": "drafts", "resolve_arch": "drafts",
     "Decoder": "driver", "generate": "driver",
@@ -33,7 +39,8 @@ _EXPORTS = {
     "TARGET_REGISTRY": "targets", "TargetAdapter": "interfaces", "register_target": "targets",
     "resolve_target": "targets",
     "Copies": "types", "DraftBlock": "types", "Ended": "types", "Event": "types", "PairSpec": "types",
-    "Params": "types", "Proposal": "types", "Round": "types", "Step": "types",
+    "Params": "types", "Proposal": "types", "Round": "types", "Step": "types", "ImagePrompt": "types",
+    "image_prompt": "vision",
 }
 
 
@@ -57,6 +64,7 @@ __all__ = [
     "Ended",
     "Event",
     "GREEDY",
+    "ImagePrompt",
     "PairSpec",
     "Params",
     "Proposal",
@@ -70,10 +78,12 @@ __all__ = [
     "capacity_for",
     "generate",
     "grow_cache",
+    "image_prompt",
     "init_cache",
     "insert",
     "load",
     "load_draft",
+    "load_pair",
     "load_target",
     "prefill",
     "propose",

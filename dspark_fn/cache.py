@@ -81,6 +81,17 @@ def causal_mask(positions: mx.array, capacity: int, window: int | None = None) -
     return visible
 
 
+def span_mask(spans: mx.array, start: mx.array, capacity: int) -> mx.array:
+    """``[B, 1, L, capacity]``: slot ``j`` is visible from chunk position ``i``
+    when both hold tokens of the same span (``spans [B, L]``, -1 outside any)
+    of the chunk written at ``start[b]``: a span that attends to itself whole."""
+    length = spans.shape[1]
+    index = mx.arange(capacity)[None, :] - start[:, None]
+    inside = (index >= 0) & (index < length)
+    slot_spans = mx.where(inside, mx.take_along_axis(spans, mx.clip(index, 0, length - 1), axis=1), -1)
+    return ((spans[:, :, None] == slot_spans[:, None, :]) & (spans[:, :, None] >= 0))[:, None]
+
+
 def prefix_mask(length: mx.array, capacity: int, window: int | None = None) -> mx.array:
     """``[B, 1, 1, capacity]``: the first ``length[b]`` slots are visible (only
     the last ``window`` of them with a sliding window)."""

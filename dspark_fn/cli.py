@@ -1,4 +1,4 @@
-"""``dspark`` — the command line: generate, bench, eval, train, models."""
+"""``dspark`` — the command line: generate, bench, eval, train, serve, models, doctor."""
 
 import argparse
 import json
@@ -6,7 +6,6 @@ import os
 import sys
 import time
 
-from .blas import reexec_with_openblas
 from .stats import Tally
 
 
@@ -87,12 +86,38 @@ def prompt_list(args, tokenizer) -> list[list[int]]:
 
     if args.prompt_tokens:
         return args.prompt_tokens
+    if tokenizer is None:
+        raise SystemExit("dspark: this model has no tokenizer; pass --prompt-tokens 1,2,3")
+    return [chat_tokens(tokenizer, text, args.system, think=not args.no_think) for text in prompt_texts(args)]
+
+
+def prompt_texts(args) -> list[str]:
     texts = ([args.text] if args.text else []) + (args.prompt or [])
     if not texts:
         raise SystemExit('dspark: give a prompt: dspark generate "your question" (or --prompt-tokens 1,2,3)')
+    return texts
+
+
+def check_image_arguments(args) -> None:
+    """``--image`` goes with one text prompt, and not with ``--compare``: refused before anything loads."""
+    if args.prompt_tokens or len(prompt_texts(args)) != 1:
+        raise SystemExit("dspark: --image goes with one text prompt (not --prompt-tokens, not a batch)")
+    if args.compare:
+        raise SystemExit("dspark: --compare runs mlx-lm's text model alone, which reads no images: drop one of them")
+
+
+def image_prompt_list(args, params, tokenizer) -> list:
+    """The one prompt of ``--image`` runs: its images then its text in a user
+    turn, through the chat template and the release's processor."""
+    from .chat import image_turn, template_text
+    from .vision import image_prompt
+
     if tokenizer is None:
-        raise SystemExit("dspark: this model has no tokenizer; pass --prompt-tokens 1,2,3")
-    return [chat_tokens(tokenizer, text, args.system, think=not args.no_think) for text in texts]
+        raise SystemExit("dspark: this model has no tokenizer, so it cannot lay out a prompt with images")
+    turns = [{"role": "system", "content": args.system}] if args.system else []
+    text = template_text(tokenizer, turns + [image_turn(prompt_texts(args)[0], len(args.image))],
+                         think=not args.no_think)
+    return [image_prompt(params, text, args.image)]
 
 
 def parse_width(text: str):
@@ -210,8 +235,10 @@ def run_generate(args) -> int:
     from .kernel import TRACE_COUNTS
     from .stats import DecodeClock
 
+    if args.image:
+        check_image_arguments(args)
     params, tokenizer, config = load(args)
-    prompts = prompt_list(args, tokenizer)
+    prompts = image_prompt_list(args, params, tokenizer) if args.image else prompt_list(args, tokenizer)
     if args.compare and len(prompts) > 1:
         raise SystemExit("dspark: --compare takes a single prompt")
     stop = stop_ids(tokenizer)
@@ -384,6 +411,7 @@ def run_serve(args) -> int:
         from .serve.app import serve, system_fingerprint
         from .serve.engine import Engine
         from .serve.structured import Grammars
+        from .serve.images import ImageSources
     except ImportError as missing:
         raise SystemExit(f"dspark serve needs its extra: pip install 'dspark-fn[serve]' ({missing})") from None
     from .catalog import resolve
@@ -409,14 +437,34 @@ def run_serve(args) -> int:
         return 1 if engine.dead else 0
     print(f"dspark: serving {name} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     options = dict(fingerprint=system_fingerprint(name, resolve(args.model, args.draft)[1]), api_keys=keys,
-                   max_body_bytes=int(args.max_body_mb * (1 << 20)))
+                   max_body_bytes=int(args.max_body_mb * (1 << 20)),
+                   image_sources=ImageSources(files=args.allow_image_files, urls=args.allow_image_urls))
     if serve(engine, tokenizer, name, args.host, args.port, **options):
         raise SystemExit(f"dspark: the decoding engine failed and could not start again ({engine.failure})")
     return 0
 
 
+def run_doctor(args) -> int:
+    from .doctor import run
+
+    return run()
+
+
+class ShowVersion(argparse.Action):
+    """``--version``: the library's and its runtime's versions (read only when asked)."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, help="print the versions of dspark_fn, mlx, mlx-lm, mlx-vlm")
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from .doctor import version_line
+
+        parser.exit(message=version_line() + "\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dspark", description="DSpark self-speculative decoding on MLX")
+    parser.add_argument("--version", action=ShowVersion)
     commands = parser.add_subparsers(dest="command", required=True)
 
     gen = commands.add_parser("generate", help="generate text with speculative decoding")
@@ -428,6 +476,9 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--prompt-tokens", type=parse_token_list, action="append",
                         help="prompt token ids, e.g. 1,2,3 (no template); repeat for a batch")
     add_chat_arguments(gen)
+    gen.add_argument("--image", action="append", metavar="PATH",
+                     help="an image the prompt is about (repeat for several, in order); a multimodal release "
+                     "whose vision side mlx-vlm has takes them (gemma4, qwen3_5, lfm2-vl), others refuse")
     gen.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
     gen.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: off)")
     gen.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set of mass p (1: off)")
@@ -511,6 +562,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--no-api-key", action="store_true",
                        help="serve without a key on an address other machines reach (refused otherwise)")
     serve.add_argument("--max-body-mb", type=float, default=16, help="largest request body taken (413 past it)")
+    serve.add_argument("--allow-image-files", action="store_true",
+                       help="read file:// image URLs in messages (files of this machine); data: URLs are always read")
+    serve.add_argument("--allow-image-urls", action="store_true",
+                       help="fetch http(s):// image URLs in messages (the server reaches out to them)")
     serve.add_argument("--max-queue", type=int, default=64,
                        help="requests that may wait for a row; past it new ones get 429 with Retry-After")
     serve.add_argument("--queue-timeout", type=float, default=600,
@@ -519,12 +574,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     models = commands.add_parser("models", help="list the model aliases")
     models.set_defaults(run=run_models)
+
+    doctor = commands.add_parser("doctor", help="versions, device, BLAS, caches and models, with what to fix")
+    doctor.set_defaults(run=run_doctor)
     return parser
 
 
 def main(argv=None) -> int:
-    if argv is None:
-        reexec_with_openblas()
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)

@@ -47,7 +47,8 @@ from .rounds import no_proposal, propose, undrafted, verify
 from .sampling import GREEDY, Sampling, batch_sampling
 from .schedule import CostCurve, Plan, Planner, Sources
 from .stats import Tally
-from .types import Copies, Ended, Event, Params, Proposal, Round, Step, TokenLogProbs, TokenScore
+from .types import (Copies, Ended, Event, Params, Proposal, Round, Step, TokenLogProbs, TokenScore, prompt_ids,
+                    prompt_key)
 
 TOP_LOG_PROBS = 20  # the most likely tokens a round scores when a row asks for log-probabilities (OpenAI's limit)
 
@@ -57,7 +58,7 @@ class Row:
     """One sequence of a batch, from the prefill that brings it in to its end."""
 
     tag: Hashable
-    prompt: list
+    prompt: list  # its ids (``prompt_key``: an image token paired with its image's content hash)
     sampling: Sampling
     committed: int  # positions its cache row holds
     budget: int | None = None  # tokens it may still emit (None: until released)
@@ -225,7 +226,8 @@ class Decoder:
                max_new_tokens: int | None = None, stop_tokens: Sequence[int] = (), keep_cache: bool = False,
                constraints=None) -> Step:
         """New sequences between rounds, in free rows the decoder picks
-        (prefilled together), tagged ``tags`` (default: handed out), each
+        (prefilled together; a prompt is a token list or an ``ImagePrompt``,
+        a prompt with images), tagged ``tags`` (default: handed out), each
         with its budget of ``max_new_tokens`` (default: none) and
         ``stop_tokens``; returns the step of their first tokens.
         ``sampling`` and ``seeds``: one setting for all or one each;
@@ -286,10 +288,10 @@ class Decoder:
                matchers: list) -> None:
         for row, tag, prompt, setting, token, matcher in zip(rows, tags, prompts, settings, first, matchers):
             ends = frozenset() if matcher is None else frozenset(matcher.grammar.vocabulary.eos)
-            self.rows[row] = Row(tag=tag, prompt=list(prompt), sampling=setting, committed=len(prompt),
+            self.rows[row] = Row(tag=tag, prompt=prompt_key(prompt), sampling=setting, committed=len(prompt),
                                  budget=max_new_tokens, stop_tokens=frozenset(stop_tokens) | ends,
                                  scoring=top_log_probs, keep_cache=keep_cache, fresh=fresh, matcher=matcher,
-                                 index=CopyIndex(list(prompt) + [token]) if self.planner.copies else None)
+                                 index=CopyIndex(prompt_ids(prompt) + [token]) if self.planner.copies else None)
         self._sampling = batch_sampling([row.sampling if row else GREEDY for row in self.rows], self.batch)
 
     def _prefilled(self, rows: Sequence[int], first: list, scores: list | None) -> Step:
@@ -547,8 +549,9 @@ def generate(
     constraint=None,
 ) -> Iterator[Event]:
     """DSpark generation for one prompt or a batch of prompts (a list of
-    token lists), one ``Event`` per sequence per step, tagged with its
-    prompt's index.
+    token lists; a prompt with images is an ``ImagePrompt``, from
+    ``vision.image_prompt``), one ``Event`` per sequence per step, tagged
+    with its prompt's index.
 
     ``width``: "auto" (default: draft only when the measured acceptance and
     costs say it pays, then Algorithm 1 picks the length), an int (fixed) or

@@ -6,7 +6,7 @@ families and their registries live in ``targets/`` and ``drafts/``, so
 importing these loads none."""
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable, NamedTuple
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,52 @@ class Layout:
         return ops.linear(self.head_module(params), hidden)
 
 
+@dataclass(frozen=True, kw_only=True)
+class ImageSide:
+    """How a release's images reach its text model through mlx-vlm's own
+    model (``mlx_vlm.models.<module>``: its processor, vision tower and
+    projector, the model's attributes ``modules``); nothing of the vision
+    side is written here.
+
+    features(vlm_model, inputs) -> [N, d]   the projected features of the
+        images in ``inputs`` (the processor's output for them), one row per
+        image token, in the order the tokens come
+    positions(vlm_config, ids, inputs) -> [3, L] or None
+        multimodal RoPE positions (temporal, height, width) of the tokens
+        ``ids`` of a whole prompt, for families whose image tokens sit at
+        positions of their own (Qwen's); None: positions are the slots
+    bidirectional(text_config) -> bool       whether an image's tokens attend
+        to one another both ways during the prefill (Gemma's vision spans)
+    """
+
+    module: str
+    modules: tuple  # the attributes of mlx-vlm's model that ``features`` reads (its towers)
+    features: Callable
+    positions: Callable | None = None
+    bidirectional: Callable = lambda text_config: False
+
+
+class ImageInputs(NamedTuple):
+    """What a prefill chunk with images gives a family's forward, per row and
+    chunk position (rows without images: mask all False, offsets 0, spans -1).
+
+    features: [B, L, d] the image feature of each image position (any value elsewhere)
+    mask:     [B, L] bool, the positions an image feature replaces the token embedding at
+    offsets:  [B, 3, L] int32, multimodal RoPE positions minus the slot and the row's
+              position shift (0 for text; families without multimodal RoPE ignore them)
+    spans:    [B, L] int32, which image span a position belongs to (-1: text); a
+              family with bidirectional image attention lets a span see itself whole
+    shift:    [B] int32, the position shift the row's prompt leaves for what
+              follows (added to the row's shift in the chunk holding its last token)
+    """
+
+    features: Any
+    mask: Any
+    offsets: Any
+    spans: Any
+    shift: Any
+
+
 @dataclass(frozen=True)
 class Release:
     """A multimodal release of a family: its text model wrapped beside the
@@ -52,7 +98,9 @@ class Release:
     under ``text``, each tower under its own name); a published checkpoint
     nests them one level down, under ``nest`` (``model.language_model.*``,
     ``model.vision_tower.*``), the text model's head staying at the top.
-    The towers are what a run on images or audio would read beside the text model.
+    The towers are what a run on images or audio reads beside the text
+    model; ``images`` says how (``ImageSide``), or None where mlx-vlm has
+    no vision side for the release.
     """
 
     model_type: str  # the release's config model_type
@@ -61,11 +109,17 @@ class Release:
     text: str = "language_model"
     towers: tuple = ("vision_tower", "multi_modal_projector")
     nest: str = "model"
+    images: ImageSide | None = None
 
     @property
     def names(self) -> tuple:
         """The model_types that stand for this release's text model."""
         return (self.model_type,) + ((self.text_config_type,) if self.text_config_type else ())
+
+    def tower_weights(self, weights: dict) -> dict:
+        """The towers' tensors of a release checkpoint (either layout), under their stored names."""
+        towers = tuple(f"{name}." for name in self.towers) + tuple(f"{self.nest}.{name}." for name in self.towers)
+        return {key: value for key, value in weights.items() if key.startswith(towers)}
 
     def text_weights(self, weights: dict, root: str) -> dict:
         """The text model's tensors of a release checkpoint (either layout)
@@ -73,10 +127,10 @@ class Release:
         decoder under ``root``, ``Layout.root``); the towers' tensors are left
         out. Tensors of neither stay as they are, for the loader to name."""
         text, nested = self.text + ".", f"{self.nest}.{self.text}."
-        towers = tuple(f"{name}." for name in self.towers) + tuple(f"{self.nest}.{name}." for name in self.towers)
+        towers = self.tower_weights(weights)
         kept = {}
         for key, value in weights.items():
-            if key.startswith(towers):
+            if key in towers:
                 continue
             if key.startswith(nested):
                 key = f"{root}.{key.removeprefix(nested)}"
@@ -125,6 +179,10 @@ class TargetAdapter:
         runs ``tokens [B, L]`` at positions ``start[b] + i``; ``hidden`` is the
         final-normed output, ``features`` the concatenated raw outputs of the
         decoder layers listed in ``taps`` (``[B, L, len(taps) * d]``).
+        A family whose releases take images (``Release.images``) also takes
+        ``images`` (``ImageInputs``, prefill chunks only) in ``forward`` and
+        ``prompt_forward``: image features in place of the token embeddings
+        at image positions, and the positions and masks its images need.
     logits(spec, params, hidden) -> [..., V]
         default: the layout's head (or tied embedding) applied to ``hidden``
     load_params(directory) -> params   optional; without it the tree is mlx-lm's

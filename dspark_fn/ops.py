@@ -50,6 +50,21 @@ def quantization(p: dict, columns: int) -> Quantization:
     )
 
 
+def quantize_as_stored(model, flat: dict) -> None:
+    """Make each module of the ``mlx.nn`` ``model`` that ``flat`` (its
+    tensors by dotted name) stores quantized into its quantized module, with
+    the group size and bits its arrays say (mixed layouts included)."""
+    import mlx.nn as nn
+
+    def stored(path: str, module) -> dict | bool:
+        if not hasattr(module, "to_quantized") or f"{path}.scales" not in flat:
+            return False
+        parts = {name: flat[f"{path}.{name}"] for name in ("weight", "scales", "biases") if f"{path}.{name}" in flat}
+        return quantization(parts, module.weight.shape[-1]).kwargs()
+
+    nn.quantize(model, class_predicate=stored)
+
+
 def linear(p: dict, x: mx.array) -> mx.array:
     """``x @ W.T (+ b)`` for a dense or an MLX-quantized weight; a rank's
     share of a tensor-parallel weight is summed or gathered over the ranks."""
@@ -193,12 +208,15 @@ def _yarn_scaled(inv: mx.array, rope: dict, dims: int, theta: float) -> mx.array
 
 
 def apply_rope(x: mx.array, positions: mx.array, inv_freq: mx.array) -> mx.array:
-    """Half-split (HF layout) rotary embedding of ``x [B, H, L, D]`` at ``positions [B, L]``.
+    """Half-split (HF layout) rotary embedding of ``x [B, H, L, D]`` at
+    ``positions [B, L]``, or ``[B, L, D / 2]`` with a position per frequency
+    (multimodal RoPE, whose frequencies follow different axes of an image).
 
     Positions are data, so the same compiled kernel serves every offset and
     every row of a batch at its own offset.
     """
-    angles = positions.astype(mx.float32)[:, None, :, None] * inv_freq
+    per_frequency = positions if positions.ndim == 3 else positions[..., None]
+    angles = per_frequency.astype(mx.float32)[:, None] * inv_freq
     cos, sin = mx.cos(angles), mx.sin(angles)
     first, second = mx.split(x, 2, axis=-1)
     rotated = mx.concatenate(

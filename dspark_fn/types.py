@@ -8,10 +8,11 @@ draft block size, V vocabulary, V' draft vocabulary, d hidden size, F tapped
 features (taps x d), H / H_kv query / key-value heads, D head dim, K top-K.
 """
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Hashable, NamedTuple
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Callable, Hashable, NamedTuple
 
 import mlx.core as mx
+import numpy as np
 
 from .interfaces import DraftArch, TargetAdapter
 
@@ -39,11 +40,106 @@ class PairSpec:
 
 
 class Params(NamedTuple):
-    """Parameter pytrees of the pair plus their static spec."""
+    """Parameter pytrees of the pair plus their static spec; ``vision`` is a
+    release's image side (``vision.Vision``: mlx-vlm's towers and processor,
+    read when the first image is), None for a target that takes no images."""
 
     spec: PairSpec
     target: dict
     draft: dict
+    vision: Any = None
+
+
+@dataclass(frozen=True, eq=False)
+class PromptImage:
+    """One image of a prompt: its content hash, how many tokens stand for it,
+    and its features (``encode() -> [count, d]``: the vision tower runs when
+    called, so an image inside a cached prefix is never encoded)."""
+
+    digest: str
+    count: int
+    encode: Callable
+
+
+@dataclass(frozen=True, eq=False)
+class ImagePrompt:
+    """A prompt with images as the release's processor lays it out
+    (``vision.image_prompt``); the prefill, ``generate`` and the decoder take
+    it wherever they take a token list.
+
+    tokens:      the whole prompt's ids, each image as its run(s) of ``image_token``
+    images:      its images in the order their tokens come (image i takes the next ``count`` image tokens)
+    positions:   ``[3, L]`` multimodal RoPE positions of the whole prompt (None: positions are the slots)
+    spans:       ``[L]`` image span of each token, -1 for text, for families whose image tokens
+                 attend to one another both ways in the prefill (None otherwise)
+    first:       where the part still to prefill starts (a cached prefix holds the tokens before)
+    """
+
+    tokens: tuple
+    image_token: int
+    images: tuple
+    positions: np.ndarray | None = None
+    spans: np.ndarray | None = None
+    first: int = 0
+
+    def __len__(self) -> int:
+        """The whole prompt's tokens."""
+        return len(self.tokens)
+
+    @property
+    def rest(self) -> list:
+        """The token ids still to prefill."""
+        return list(self.tokens[self.first :])
+
+    def image_slots(self) -> np.ndarray:
+        """``[N]`` the prompt positions of the image tokens, in order."""
+        return np.flatnonzero(np.array(self.tokens) == self.image_token)
+
+    def image_ranges(self) -> list[tuple[int, int]]:
+        """``(first, last)`` prompt positions of each image's tokens."""
+        slots, ranges, begin = self.image_slots(), [], 0
+        for image in self.images:
+            ranges.append((int(slots[begin]), int(slots[begin + image.count - 1])))
+            begin += image.count
+        return ranges
+
+    def resumable(self, length: int) -> int:
+        """The longest prefix of at most ``length`` tokens that ends between
+        images: a cached prefix can resume the prompt there."""
+        return min([first for first, last in self.image_ranges() if first < length <= last], default=length)
+
+    def after(self, start: int) -> "ImagePrompt":
+        """The prompt with its first ``start`` tokens held by a cached prefix;
+        an image cut by ``start`` cannot be resumed, so it is refused."""
+        if self.resumable(start) != start:
+            raise ValueError(f"a cached prefix of {start} tokens ends inside an image: resume at "
+                             f"{self.resumable(start)}, before it")
+        return replace(self, first=start)
+
+    def shift(self, end: int | None = None) -> int:
+        """How far multimodal positions run ahead of the slots after the first
+        ``end`` tokens (default all): the last position + 1 - ``end``."""
+        end = len(self.tokens) if end is None else end
+        if self.positions is None or end == 0:
+            return 0
+        return int(self.positions[:, :end].max()) + 1 - end
+
+    def key(self) -> list:
+        """The prompt as a prompt cache compares it: its ids, each image token
+        paired with its image's content hash."""
+        digests = iter([image.digest for image in self.images for _ in range(image.count)])
+        return [(t, next(digests)) if t == self.image_token else t for t in self.tokens]
+
+
+def prompt_ids(prompt) -> list:
+    """The token ids of a whole prompt (a token list or an ``ImagePrompt``)."""
+    return list(prompt.tokens) if isinstance(prompt, ImagePrompt) else list(prompt)
+
+
+def prompt_key(prompt) -> list:
+    """A prompt as prompt caches compare it: its ids, an image prompt's image
+    tokens paired with their image's content hash (the same picture matches)."""
+    return prompt.key() if isinstance(prompt, ImagePrompt) else list(prompt)
 
 
 class Proposal(NamedTuple):
@@ -112,7 +208,7 @@ class Ended(NamedTuple):
     """A sequence that ended, as the ``Decoder`` gives it back before freeing its row."""
 
     tag: Hashable
-    prompt: list
+    prompt: list  # its ids (an image prompt's image tokens paired with their image's hash: ``prompt_key``)
     tokens: list  # every token it emitted (cut at its stop token and budget)
     finish: str  # "stop", "length", "dead_end" (its grammar admits no token) or "cancelled" (``Decoder.release``)
     tally: "Tally"  # its rounds' acceptance

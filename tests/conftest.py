@@ -1,3 +1,5 @@
+import dspark_fn  # noqa: F401  first, before any test module loads mlx: OpenBLAS then serves MLX (blas.py)
+
 import faulthandler
 import os
 import signal

@@ -19,12 +19,12 @@ import sys
 import traceback
 from pathlib import Path
 
+import dspark_fn  # before mlx: OpenBLAS then serves MLX's matmuls (dspark_fn/blas.py)
 import mlx.core as mx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import dspark_fn  # noqa: E402
 from dspark_fn.distributed import rank_report, shard_pair, world  # noqa: E402
 from dspark_fn.sampling import Sampling  # noqa: E402
 from dspark_fn.sharding import Ranks  # noqa: E402

@@ -188,14 +188,18 @@ def right_prefix(proposal: list, truth: list) -> int:
     return next((i for i, (a, b) in enumerate(zip(proposal, truth)) if a != b), len(proposal))
 
 
-def drive_proposals(model, params, vocab: int, prompts: list, kind: str, new_tokens: int, shift: int = 1):
+def drive_proposals(model, params, vocab: int, prompts: list, kind: str, new_tokens: int, shift: int = 1,
+                    truths: list | None = None, capacity: int = 512):
     """Verify proposals of ``kind`` in rounds over a batch of ``prompts`` (row
     ``b`` uses round ``r + shift * b``, so rows accept different counts);
     checks every round keeps exactly each row's right prefix until the row has
-    ``new_tokens`` (then it only rides along) and returns ``(streams, rounds)``."""
+    ``new_tokens`` (then it only rides along) and returns ``(streams, rounds)``.
+    The greedy streams proposals are made from are mlx-lm's of ``model``, or
+    ``truths`` (at least ``new_tokens`` + the verify width of each row)."""
     width = params.spec.block_size + 1
-    truths = [mlx_lm_greedy(model, prompt, new_tokens + width) for prompt in prompts]
-    cache, anchors = dspark_fn.prefill(params, dspark_fn.init_cache(params, len(prompts), 512), prompts)
+    if truths is None:
+        truths = [mlx_lm_greedy(model, prompt, new_tokens + width) for prompt in prompts]
+    cache, anchors = dspark_fn.prefill(params, dspark_fn.init_cache(params, len(prompts), capacity), prompts)
     streams, r = [[t] for t in anchors.tolist()], 0
     while min(len(s) for s in streams) < new_tokens:
         running = [len(s) < new_tokens for s in streams]

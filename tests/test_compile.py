@@ -8,7 +8,7 @@ from mlx.utils import tree_flatten
 import dspark_fn
 from dspark_fn.buffers import capacity_for, init_cache
 from dspark_fn.kernel import TRACE_COUNTS
-from dspark_fn.prefilling import prefill
+from dspark_fn.prefilling import prefill, smallest_chunk
 from dspark_fn.schedule import CostCurve
 from helpers import build_draft, build_target, draft_config, random_prompt, speculative_tokens, target_config
 from numerics import assert_fp32_close
@@ -105,16 +105,17 @@ def test_each_batch_size_traces_once(params):
 def test_a_long_prompt_grows_the_cache_as_it_prefills(params):
     """Prompts up to 600 tokens prefilled from a 256-slot cache: chunks of
     256, 256, 64 and 64 tokens run in caches of 256, 512, 768 and 768 slots
-    (three chunk kernels; a batch of four, a shape no other test here uses),
-    and the result is the prefill into 768 slots from the start in 64-token
-    chunks: the same first tokens, the cache within the fp32 bound (4 target
+    (on the bundled BLAS 256, 256 and 8-token chunks; three chunk kernels
+    either way; a batch of four, a shape no other test here uses), and the
+    result is the prefill into 768 slots from the start in chunks of the
+    smallest size: the same first tokens, the cache within the fp32 bound (4 target
     layers and the draft layer; sums over 600 keys)."""
     rng = np.random.default_rng(6)
     prompts = [random_prompt(rng, n, 192) for n in (600, 5, 300, 599)]
     grown = []
     new = traces_during(lambda: grown.extend(prefill(params, init_cache(params, 4, 256), prompts, grow=True)))
     assert new == {"prefill": 3}
-    whole, tokens = prefill(params, init_cache(params, 4, 768), prompts, chunk_size=64)
+    whole, tokens = prefill(params, init_cache(params, 4, 768), prompts, chunk_size=smallest_chunk())
     assert grown[0].capacity == 768 and grown[1].tolist() == tokens.tolist()
     assert grown[0].length.tolist() == whole.length.tolist() == [600, 5, 300, 599]
     for (name, a), (_, b) in zip(tree_flatten((grown[0].target, grown[0].draft)), tree_flatten((whole.target, whole.draft))):

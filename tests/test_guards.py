@@ -50,7 +50,7 @@ import dspark_fn
 from dspark_fn.buffers import capacity_for
 from dspark_fn.checkpoints import load_tokenizer, save_draft
 from dspark_fn.drafts.vocab import reduced_checkpoint
-from dspark_fn.prefilling import LONG_PREFILL_CHUNK, PREFILL_CHUNK, chunk_spans, prefill_slots
+from dspark_fn.prefilling import LONG_PREFILL_CHUNK, chunk_spans, smallest_chunk
 from dspark_fn.serve.engine import Engine, Request
 
 VOCAB = 300  # the test tokenizer's size
@@ -250,17 +250,19 @@ def test_rows_moved_by_a_resize_store_their_own_prefixes(pair):
 
 # ---- 3. a prompt whose last chunk needs a larger bucket than the chunk before it
 
-PROMPT_LENGTH = 300
+PROMPT_LENGTH = 260
 
 
 @pytest.mark.parametrize("how", ["prefill", "insert"])
 def test_a_last_chunk_past_the_bucket_grows_the_cache(pair, how):
-    """A 300-token prompt prefilled into a growing cache of 256 slots: its
-    chunks are 256 + 64 tokens, the last one needs the 512-slot bucket. The
+    """A 260-token prompt prefilled into a growing cache of 256 slots: its
+    chunks are 256 + 64 tokens (256 + 8 on the bundled BLAS), the last one
+    needs the 512-slot bucket. The
     cache has grown to hold it (checked before anything runs: a short buffer
     would be written past its end), and decoding goes on as the target's."""
     model, params, _ = pair
-    spans = chunk_spans(prefill_slots(PROMPT_LENGTH), (LONG_PREFILL_CHUNK, PREFILL_CHUNK))
+    padded = -(-PROMPT_LENGTH // smallest_chunk()) * smallest_chunk()
+    spans = chunk_spans(padded, (LONG_PREFILL_CHUNK, smallest_chunk()))
     last, size = spans[-1]
     assert capacity_for(last) == FIRST_BUCKET < capacity_for(last + size)  # what this prompt is for
     prompt = random_prompt(np.random.default_rng(4), PROMPT_LENGTH, VOCAB)

@@ -207,9 +207,9 @@ def uniform_p_value(values: np.ndarray) -> float:
     return chi_square_survival(((observed - expected) ** 2 / expected).sum(), PIT_BINS - 1)
 
 
-def chi_square_p_value(observed: np.ndarray, probs: np.ndarray) -> float:
+def chi_square_p_value(observed: np.ndarray, probs: np.ndarray, samples: int = SAMPLES) -> float:
     """Bins: every outcome expected >= 5 times, plus one bin pooling the rest."""
-    expected = SAMPLES * probs.ravel()
+    expected = samples * probs.ravel()
     order = np.argsort(-expected)
     expected, observed = expected[order], observed[order]
     large = expected >= 5
@@ -427,6 +427,51 @@ def test_rows_with_their_own_settings_share_one_batch(models):
         for position in range(TOKENS):
             p_value = uniform_p_value(pit[:, position])
             assert p_value > P_VALUE_FLOOR, f"{sampling}: token {position + 1}: chi-square p = {p_value:.2e}"
+
+
+IMAGE_SAMPLING = Sampling(1.0, top_k=4)
+IMAGE_SAMPLES = SAMPLES // 2  # a wider model than the others': half the rows (its 64 outcomes need no more)
+
+
+def image_first_three(release, text: str, images: list) -> dict:
+    """``{(t1, t2, t3): P}`` of sampling mlx-vlm's own model of the release
+    alone after a prompt with an image, under ``IMAGE_SAMPLING``."""
+    def next_probs(then: tuple) -> np.ndarray:
+        return reference_probs(release.reference(text, images, then=then)[0][-1], IMAGE_SAMPLING)
+
+    law, first = {}, next_probs(())
+    for t1 in np.flatnonzero(first):
+        second = next_probs((int(t1),))
+        for t2 in np.flatnonzero(second):
+            third = next_probs((int(t1), int(t2)))
+            for t3 in np.flatnonzero(third):
+                law[int(t1), int(t2), int(t3)] = first[t1] * second[t2] * third[t3]
+    return law
+
+
+def test_an_image_prompt_samples_the_target_law(tmp_path_factory):
+    """``IMAGE_SAMPLES`` rows of one prompt with an image (a Qwen3.5 release: its
+    multimodal positions and the shift they leave, delta nets rolled back),
+    top-k 4, whole draft blocks: the first three tokens against their exact
+    joint law under mlx-vlm's own model."""
+    from dspark_fn.vision import image_prompt
+    from multimodal import Release, synthetic_image
+
+    release = Release(tmp_path_factory.mktemp("sampling-image"), "qwen3_5")
+    picture = synthetic_image(16, 16, seed=1)  # 4 image tokens: the prompt fits a cache of 64 for 20,000 rows
+    text = release.text("Hi", 1)
+    prompt = image_prompt(release.params, text, [picture])
+    streams = [[] for _ in range(IMAGE_SAMPLES)]
+    for event in dspark_fn.generate(release.params, [prompt] * IMAGE_SAMPLES, 3, sampling=IMAGE_SAMPLING, seed=3,
+                                    capacity=64, width=None, proposals="draft"):
+        streams[event.tag] += event.emitted
+    law = image_first_three(release, text, [picture])
+    outcomes = [tuple(stream) for stream in streams]
+    assert set(outcomes) <= set(law), "a token outside the top-k was sampled"
+    order = sorted(law)
+    counts = np.array([outcomes.count(outcome) for outcome in order])
+    p_value = chi_square_p_value(counts, np.array([law[outcome] for outcome in order]), IMAGE_SAMPLES)
+    assert p_value > P_VALUE_FLOOR, f"first three tokens after an image: chi-square p = {p_value:.2e}"
 
 
 def test_chi_square_survival_matches_the_closed_form_for_even_dof():

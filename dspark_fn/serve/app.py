@@ -1,7 +1,9 @@
 """The HTTP API (FastAPI): OpenAI's chat and text completions, Responses and
 models, Anthropic's Messages (``messages.py``), and health.
 
-Requests, read by ``validation``, become engine ``Request``s; errors are
+Requests, read by ``validation`` (images in chat and Responses messages read
+by ``images.py`` and laid out by the release's processor, off the event
+loop), become engine ``Request``s; errors are
 bodies in the API's own shape (``errors.py``) with a 4xx status, unknown
 routes and methods included, and the server keeps serving. Keys and body
 sizes are checked at the door (``access.py``), before a route reads a body. Streams are server-sent
@@ -31,6 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..chat import stop_tokens as tokenizer_stop_tokens
 from ..stats import combined
+from ..types import prompt_ids
 from . import messages as anthropic
 from . import responses
 from .access import Door
@@ -38,6 +41,7 @@ from .detokenizer import ContinuingText, text_after
 from .engine import Engine, EngineFailure, QueueFull, QueueTimeout, Request
 from .errors import ApiError, server_error
 from .structured import Grammars
+from .images import ImageSources
 from .tools import CallReader, openai_call
 from .validation import Job, Reader
 
@@ -67,13 +71,14 @@ def system_fingerprint(target: str, draft: str | None) -> str:
 class Api:
     """Turns HTTP bodies into jobs for the engine and jobs' events into responses."""
 
-    def __init__(self, engine: Engine, tokenizer, model_name: str, fingerprint: str | None = None):
+    def __init__(self, engine: Engine, tokenizer, model_name: str, fingerprint: str | None = None,
+                 images: ImageSources = ImageSources()):
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         self.fingerprint = fingerprint or system_fingerprint(model_name, None)
         self.stop_ids = frozenset(tokenizer_stop_tokens(tokenizer))
         self.grammars = engine.grammars if engine.grammars is not None else Grammars(
             tokenizer, engine.params.spec.target.vocab_size, self.stop_ids)
-        self.reader = Reader(engine, tokenizer, model_name, self.grammars)
+        self.reader = Reader(engine, tokenizer, model_name, self.grammars, images)
         self.conversations = responses.Conversations()
 
     # ---- running
@@ -115,7 +120,7 @@ class Api:
         ruled out. A completion's text continues its prompt's (a leading space
         kept); a chat reply's is a text of its own."""
         detokenizer = ContinuingText(self.tokenizer, request.prompt) if job.kind == "text" else self.tokenizer.detokenizer
-        sent, scored, before = 0, [], request.prompt[-1:]
+        sent, scored, before = 0, [], prompt_ids(request.prompt)[-1:]
         hold = max((len(s) for s in job.stop), default=1) - 1
         if echo is not None and not request.score_prompt:
             yield Piece(echo)
@@ -377,8 +382,8 @@ def error_response(error: Exception, path: str) -> JSONResponse:
 
 
 def create_app(engine: Engine, tokenizer, model_name: str, *, fingerprint: str | None = None, api_keys: tuple = (),
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
-    api = Api(engine, tokenizer, model_name, fingerprint)
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, image_sources: ImageSources = ImageSources()) -> FastAPI:
+    api = Api(engine, tokenizer, model_name, fingerprint, image_sources)
     app = FastAPI(title="dspark serve", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(Door, keys=api_keys, max_body_bytes=max_body_bytes)
     model = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "dspark"}
@@ -396,7 +401,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, fingerprint: str |
     async def run(http: HttpRequest, job_of, whole, streamed):
         """Read the body into a job, then answer it whole or as a stream."""
         try:
-            job = job_of(await json_body(http))
+            job = await asyncio.to_thread(job_of, await json_body(http))  # images are read and processed here
             if job.stream:
                 return StreamingResponse(streamed(job), media_type="text/event-stream")
             return JSONResponse(await whole(job))
@@ -415,7 +420,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, fingerprint: str |
     async def create_response(http: HttpRequest):
         try:
             body = await json_body(http)
-            job, messages = api.response_job(body)
+            job, messages = await asyncio.to_thread(api.response_job, body)
             if job.stream:
                 return StreamingResponse(api.respond_streaming(job, body, messages), media_type="text/event-stream")
             return JSONResponse(await api.respond(job, body, messages))

@@ -12,7 +12,9 @@ touches MLX.
 
 A request that ends comes back from the decoder as one record, whose cache
 (cut to what the client saw; ``Decoder._kept_cache`` says how for
-recurrent states) is kept for the conversation's next turn.
+recurrent states) is kept for the conversation's next turn, under its
+tokens with each image token paired with its image's content hash: a later
+turn about the same image reuses it and never encodes the image again.
 
 Over several ranks (``mlx.launch``) rank 0 serves HTTP and every rank runs
 this same thread on its share of the target. The thread's only inputs are
@@ -62,7 +64,7 @@ from ..driver import TOP_LOG_PROBS, Decoder, token_scores
 from ..prefilling import score_prompt
 from ..sampling import GREEDY, Sampling
 from ..stats import Tally
-from ..types import Ended, Params, TokenLogProbs
+from ..types import Ended, ImagePrompt, Params, TokenLogProbs, prompt_key
 
 RETRY_AFTER = 1  # seconds a refused client is asked to wait before trying again
 
@@ -86,7 +88,7 @@ class Request:
     tokens of each round on ``events``, then one that ends it ("done" or
     "error"); ``cancel()`` frees its row."""
 
-    prompt: list
+    prompt: list  # token ids, or an ImagePrompt
     max_tokens: int
     sampling: Sampling = GREEDY
     seed: int = 0
@@ -203,12 +205,15 @@ class PromptCache:
         while self.entries and self.used > self.budget:
             self.entries.popitem(last=False)
 
-    def lookup(self, prompt: list) -> Cache | None:
-        """The stored cache sharing the longest prefix with ``prompt``, its
-        length cut to that prefix (and to leave at least one prompt token)."""
+    def lookup(self, prompt: list, resumable=None) -> Cache | None:
+        """The stored cache sharing the longest prefix with ``prompt`` (a
+        ``prompt_key``: images by their content), its length cut to that
+        prefix (and to leave at least one prompt token; with ``resumable``,
+        to the longest prefix it allows: not inside an image)."""
         best, best_length = None, 0
         for tokens, (cache, _) in self.entries.items():
             length = min(common_prefix(list(tokens), prompt), len(prompt) - 1)
+            length = resumable(length) if resumable is not None else length
             if cache.recurrent and length != len(tokens):
                 continue
             if length > best_length:
@@ -270,6 +275,9 @@ class Engine:
         self._run(self._options, threading.Event())
 
     def submit(self, request: Request) -> Request:
+        if self.group is not None and isinstance(request.prompt, ImagePrompt):
+            raise ValueError("images are not served across ranks (mlx.launch): the ranks share requests as token "
+                             "ids; serve a multimodal release from one process to send it images")
         if len(request.prompt) + request.max_tokens + self.decoder.planner.max_width > self.max_context:
             raise ValueError(
                 f"prompt of {len(request.prompt)} tokens + max_tokens {request.max_tokens} exceed the "
@@ -316,6 +324,7 @@ class Engine:
                              "budget_bytes": self.prompt_cache.budget,
                              "hits": self.prompt_cache.hits, "misses": self.prompt_cache.misses},
             "memory": memory_use(),
+            "images_encoded": self.params.vision.encoded if self.params.vision is not None else 0,
         }
 
     # ---- the decoding thread
@@ -437,7 +446,9 @@ class Engine:
                 prefix = None if scored.recurrent else scored._replace(
                     length=mx.array([len(request.prompt) - 1], mx.int32))
             else:
-                prefix = self.prompt_cache.lookup(request.prompt)
+                images = isinstance(request.prompt, ImagePrompt)
+                prefix = self.prompt_cache.lookup(prompt_key(request.prompt),
+                                                  request.prompt.resumable if images else None)
                 request.cached_tokens = int(prefix.length.item()) if prefix is not None else 0
             self._deliver(self.decoder.insert(
                 [request.prompt], tags=[request.number], sampling=request.sampling, seeds=[request.seed],
@@ -469,7 +480,7 @@ class Engine:
                     request.events.put(Update("done", "length"))
                     continue
                 cache, first, score = self._score(request)
-                self.prompt_cache.store(request.prompt, row_cache(cache, 0, len(request.prompt)))
+                self.prompt_cache.store(prompt_key(request.prompt), row_cache(cache, 0, len(request.prompt)))
                 if request.max_tokens:
                     request.produced = 1
                     request.events.put(Update("tokens", [first], [score]))

@@ -1,8 +1,9 @@
 """The Responses API (``POST /v1/responses``) over the same engine as chat completions.
 
 A request becomes a chat completion: ``instructions`` a system message,
-``input`` (a string, or items: messages, earlier ``function_call`` items
-and ``function_call_output`` results) the turns after it, function tools in
+``input`` (a string, or items: messages, whose content may hold
+``input_image`` parts, earlier ``function_call`` items and
+``function_call_output`` results) the turns after it, function tools in
 the Responses layout (``{"type": "function", "name", ...}``) the chat
 tools. ``previous_response_id`` puts that response's whole conversation
 first: the server holds the last ``HELD_RESPONSES`` responses, and the
@@ -22,13 +23,29 @@ from .errors import ApiError
 HELD_RESPONSES = 256
 
 
-def _text(content, param: str) -> str:
+TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+def _content(content, param: str):
+    """A message item's content as chat content: its text, or (with
+    ``input_image`` parts) chat parts, each image an ``image_url`` part."""
     if isinstance(content, str):
         return content
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") in ("input_text", "output_text", "text")
-                                         for p in content):
+    if not isinstance(content, list) or not all(isinstance(p, dict) and p.get("type") in TEXT_PARTS + ("input_image",)
+                                                 for p in content):
+        raise ApiError("a message's content is a string or a list of input_text, output_text and input_image parts "
+                       "(no files or audio)", param)
+    if all(part["type"] in TEXT_PARTS for part in content):
         return "".join(part.get("text", "") for part in content)
-    raise ApiError("only text content is supported (input_text / output_text parts)", param)
+    return [{"type": "text", "text": part.get("text", "")} if part["type"] in TEXT_PARTS
+            else {"type": "image_url", "image_url": {"url": input_image_url(part, param)}} for part in content]
+
+
+def input_image_url(part: dict, param: str) -> str:
+    if part.get("file_id") is not None and part.get("image_url") is None:
+        raise ApiError("input_image by file_id is not supported (no file storage here): give its image_url, e.g. "
+                       "a data: URL", param)
+    return part.get("image_url")
 
 
 def input_messages(items) -> list:
@@ -43,7 +60,7 @@ def input_messages(items) -> list:
             raise ApiError("each 'input' item must be an object", "input")
         kind = item.get("type", "message")
         if kind == "message":
-            messages.append({"role": item.get("role"), "content": _text(item.get("content"), "input")})
+            messages.append({"role": item.get("role"), "content": _content(item.get("content"), "input")})
         elif kind == "function_call":
             call = {"id": item.get("call_id"), "type": "function",
                     "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")}}

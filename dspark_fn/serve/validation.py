@@ -1,15 +1,19 @@
-"""Requests read and checked: an HTTP body becomes a ``Job`` (prompt ids,
-limits, sampling, stop strings, tools, log-probabilities) or an ``ApiError``
-naming the field at fault and what it takes."""
+"""Requests read and checked: an HTTP body becomes a ``Job`` (prompt ids, or
+a prompt with images, limits, sampling, stop strings, tools,
+log-probabilities) or an ``ApiError`` naming the field at fault and what it
+takes."""
 
 from dataclasses import dataclass
 
-from ..chat import template_tokens
+from ..chat import template_text, template_tokens
 from ..constraints import Constraint
 from ..driver import TOP_LOG_PROBS
 from ..sampling import Sampling
+from ..types import ImagePrompt, prompt_ids
+from ..vision import image_prompt, refusal
 from .errors import ApiError
 from .structured import Grammars, compiled, reply_constraint, response_constraint
+from .images import ImageSources
 from .tools import Tools, template_turns
 
 MAX_PROMPTS = 64  # completions prompts in one request (each becomes its own sequences)
@@ -20,7 +24,7 @@ class Job:
     """A validated request: prompt ids, settings, and how to report it."""
 
     kind: str  # "chat" or "text"
-    prompts: tuple  # token ids of each prompt (a chat: one; completions take a list of prompts)
+    prompts: tuple  # token ids of each prompt (a chat: one, an ImagePrompt with images; completions: a list)
     max_tokens: int  # 0 (completions with echo): the prompt scored, nothing generated
     sampling: Sampling
     seed: int | None
@@ -56,7 +60,10 @@ def number(body: dict, name: str, default, kind=float, low=None, high=None, low_
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
-def message_text(message) -> str:
+def message_content(message):
+    """A message's content as the chat template takes it: its text, or (with
+    images) its parts in order, each image as ``{"type": "image", "url"}``
+    (the template writes the release's image placeholder for it)."""
     if not isinstance(message, dict) or "role" not in message:
         raise ApiError("each message needs a 'role' and a 'content'", "messages")
     if message["role"] not in ROLES:
@@ -66,9 +73,28 @@ def message_text(message) -> str:
         return content
     if content is None and (message.get("tool_calls") or message["role"] == "assistant"):
         return ""
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+    if not isinstance(content, list) or not all(isinstance(p, dict) and p.get("type") in ("text", "image_url")
+                                                 for p in content):
+        raise ApiError("a message's content is a string or a list of 'text' and 'image_url' parts (no audio or "
+                       "files)", "messages")
+    if all(part["type"] == "text" for part in content):
         return "".join(part.get("text", "") for part in content)
-    raise ApiError("only text content is supported (no images, audio or files)", "messages")
+    if message["role"] != "user":
+        raise ApiError(f"images go in user messages, not in a {message['role']} message", "messages")
+    return [{"type": "text", "text": part.get("text", "")} if part["type"] == "text"
+            else {"type": "image", "url": image_url(part)} for part in content]
+
+
+def image_url(part: dict):
+    """An ``image_url`` part's URL (``{"url": ...}``, or the URL itself)."""
+    url = part.get("image_url")
+    return url.get("url") if isinstance(url, dict) else url
+
+
+def images_in(turns: list) -> list:
+    """The image URLs of the turns' parts, in order."""
+    return [part["url"] for turn in turns if isinstance(turn["content"], list)
+            for part in turn["content"] if part["type"] == "image"]
 
 
 class Reader:
@@ -76,8 +102,9 @@ class Reader:
     model's name, the engine's context and verify width, and the grammars
     constraints compile to."""
 
-    def __init__(self, engine, tokenizer, model_name: str, grammars: Grammars):
-        self.engine, self.tokenizer, self.model_name, self.grammars = engine, tokenizer, model_name, grammars
+    def __init__(self, engine, tokenizer, model_name: str, grammars: Grammars, images: ImageSources = ImageSources()):
+        self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        self.grammars, self.images = grammars, images
 
     def job(self, body, kind: str) -> Job:
         if not isinstance(body, dict):
@@ -91,7 +118,10 @@ class Reader:
         longest = max(len(prompt) for prompt, _ in prompts)
         room = self.engine.max_context - longest - self.engine.decoder.planner.max_width
         if room < 1:
-            raise ApiError(f"the prompt has {longest} tokens; the context holds {self.engine.max_context}",
+            pictures = sum(len(prompt.images) for prompt, _ in prompts if isinstance(prompt, ImagePrompt))
+            taking = f" with its {pictures} image(s) takes" if pictures else " has"
+            fix = ": send fewer or smaller images" if pictures else ""
+            raise ApiError(f"the prompt{taking} {longest} tokens; the context holds {self.engine.max_context}{fix}",
                            "messages" if kind == "chat" else "prompt", code="context_length_exceeded")
         echo = kind == "text" and boolean(body, "echo")
         limit_name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
@@ -104,7 +134,7 @@ class Reader:
             number(body, "top_k", 0, int, low=0),
             number(body, "top_p", 1.0, low=0, high=1, low_open=True),
         )
-        constraint = self.constraint(body, kind, tools, prompts[0][0], echo)
+        constraint = self.constraint(body, kind, tools, prompt_ids(prompts[0][0]), echo)
         stop = body.get("stop") or ()
         stop = (stop,) if isinstance(stop, str) else stop
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 4:
@@ -152,12 +182,26 @@ class Reader:
             raise ApiError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
         return (top or 0) if asked else None
 
-    def chat_prompt(self, body: dict, tools: Tools) -> list:
+    def chat_prompt(self, body: dict, tools: Tools):
+        """The conversation's token ids, or, when it holds images, its
+        ``ImagePrompt`` (the images read, checked and laid out by the
+        release's processor here, before the request is queued)."""
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise ApiError("'messages' must be a non-empty list", "messages")
-        turns, template_options = template_turns(messages, message_text, self.tokenizer, tools)
-        return template_tokens(self.tokenizer, turns, **template_options)
+        turns, template_options = template_turns(messages, message_content, self.tokenizer, tools)
+        urls = images_in(turns)
+        if not urls:
+            return template_tokens(self.tokenizer, turns, **template_options)
+        params = self.engine.params
+        if params.vision is None:
+            raise ApiError(refusal(params.spec.target.model_type), "messages")
+        pictures = [self.images.read(url, "messages") for url in urls]
+        text = template_text(self.tokenizer, turns, **template_options)
+        try:
+            return image_prompt(params, text, pictures)
+        except ValueError as error:
+            raise ApiError(str(error), "messages") from None
 
     def text_prompts(self, body: dict) -> list[tuple[list, str | None]]:
         """``(token ids, text given or None)`` of each prompt: a string, a list of

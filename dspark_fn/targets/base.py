@@ -75,9 +75,9 @@ def concat_taps(tapped: dict, taps: tuple):
 def stopping_at_prompt_end(forward: Callable) -> Callable:
     """The ``prompt_forward`` of a family with recurrent layers: its ``forward``
     with ``keep`` set to each row's prompt tokens in the chunk, so the padding
-    past a prompt's end never advances a state."""
+    past a prompt's end never advances a state (``images`` pass through)."""
 
-    def prompt_forward(spec, params, kv, tokens, start, taps, first, end):
-        return forward(spec, params, kv, tokens, start, taps, keep=mx.clip(end - start, 0, tokens.shape[1]))
+    def prompt_forward(spec, params, kv, tokens, start, taps, first, end, **images):
+        return forward(spec, params, kv, tokens, start, taps, keep=mx.clip(end - start, 0, tokens.shape[1]), **images)
 
     return prompt_forward

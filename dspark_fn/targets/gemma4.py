@@ -9,7 +9,8 @@ a learned ``layer_scalar``; embeddings are scaled by sqrt(d) and logits are
 softcapped. The small models' per-layer token inputs and their KV sharing
 between late layers are supported (a pipeline split keeps a sharing layer on
 its source's rank); MoE blocks are not. The multimodal releases (``gemma4``,
-``gemma4_unified``) run their text model.
+``gemma4_unified``) run their text model, and take images through
+mlx-vlm's vision side (the prefill's image spans attend both ways).
 
 Its layer math lives in ``layers/gemma4.py``, shared with the gemma4 DSpark draft.
 """
@@ -19,8 +20,8 @@ from dataclasses import dataclass, replace
 import mlx.core as mx
 
 from .. import ops
-from ..cache import causal_mask, kv_buffers, positions_from, write_rows
-from ..interfaces import Layout, Release, TargetAdapter
+from ..cache import causal_mask, kv_buffers, positions_from, span_mask, write_rows
+from ..interfaces import ImageInputs, ImageSide, Layout, Release, TargetAdapter
 from ..layers.gemma4 import (
     ATTENTION_SCALE,
     AttentionGeometry,
@@ -109,8 +110,13 @@ def per_layer_inputs(spec: Gemma4Spec, model: dict, tokens, embedded) -> list:
     return [mixed[:, :, i] for i in range(spec.num_layers)]
 
 
-def forward(spec: Gemma4Spec, params: dict, kv: list, tokens, start, taps: tuple):
-    """Run ``tokens [B, L]`` at positions ``start[b] + i``: ``(final-normed hidden [B, L, d], taps [B, L, F], kv)``."""
+def forward(spec: Gemma4Spec, params: dict, kv: list, tokens, start, taps: tuple, images: ImageInputs | None = None):
+    """Run ``tokens [B, L]`` at positions ``start[b] + i``: ``(final-normed hidden [B, L, d], taps [B, L, F], kv)``.
+
+    With ``images`` (a prefill chunk) the image features replace the
+    embeddings at image positions, the per-layer inputs read the pad token
+    there, and each image span attends to itself whole (both ways), as the
+    release's vision attention does; the chunks never cut a span."""
     model = params["model"]
     positions = positions_from(start, tokens.shape[1])
     capacity = kv[0][0].shape[2]
@@ -118,6 +124,11 @@ def forward(spec: Gemma4Spec, params: dict, kv: list, tokens, start, taps: tuple
     # shorter than the sequence need no special casing.
     masks = {g.window: causal_mask(positions, capacity, g.window) for g in set(spec.geometry)}
     h = scaled_embedding(model["embed_tokens"], tokens, spec.hidden_size)
+    if images is not None:
+        h = mx.where(images.mask[..., None], images.features.astype(h.dtype), h)
+        tokens = mx.where(images.mask, 0, tokens)
+        spans = span_mask(images.spans, start, capacity)
+        masks = {window: mask | spans for window, mask in masks.items()}
     extra = [None] * spec.num_layers
     if spec.per_layer_input_size:
         extra = per_layer_inputs(spec, model, tokens, h)
@@ -186,13 +197,28 @@ def tensor_splits(config: dict) -> dict:
                for g in spec.geometry}}
 
 
+def image_features(vlm, inputs: dict) -> mx.array:
+    """``[N, d]``: mlx-vlm's vision tower (or unified embedder) and projector over one prompt's images."""
+    features = vlm.encode_image(inputs["pixel_values"], inputs.get("image_position_ids"))
+    return features.reshape(-1, features.shape[-1])
+
+
+def vision_attention(text_config: dict) -> bool:
+    """Whether an image's tokens attend to one another both ways in the prefill."""
+    return text_config.get("use_bidirectional_attention") == "vision"
+
+
 # The multimodal releases' vision and audio towers (mlx-lm's and mlx-vlm's names).
 TOWERS = ("vision_tower", "multi_modal_projector", "audio_tower", "embed_audio", "embed_vision", "vision_embedder")
 
 ADAPTER = TargetAdapter(
     model_types=("gemma4_text",),
-    releases=(Release("gemma4", "gemma4_text", towers=TOWERS),
-              Release("gemma4_unified", "gemma4_text", text_config_type="gemma4_unified_text", towers=TOWERS)),
+    releases=(Release("gemma4", "gemma4_text", towers=TOWERS,
+                      images=ImageSide(module="gemma4", modules=("vision_tower", "embed_vision"),
+                                       features=image_features, bidirectional=vision_attention)),
+              Release("gemma4_unified", "gemma4_text", text_config_type="gemma4_unified_text", towers=TOWERS,
+                      images=ImageSide(module="gemma4_unified", modules=("vision_embedder", "embed_vision"),
+                                       features=image_features, bidirectional=vision_attention))),
     spec_from_config=spec_from_config, init_kv=init_kv, forward=forward,
     layout=LAYOUT, logits=logits,
     shard_tensor=shard_tensor, tensor_splits=tensor_splits, pipeline_links=pipeline_links,

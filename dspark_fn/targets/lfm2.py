@@ -6,8 +6,9 @@ causal depthwise conv over the last ``conv_L_cache`` gated inputs), a few
 with attention whose q and k heads are RMS-normed. Every layer is pre-norm
 (``operator_norm``, ``ffn_norm``); the final norm is ``embedding_norm`` and
 the logits always come from the embedding (mlx-lm's tree has no head).
-LFM2-VL releases (``lfm2-vl``) run their text model. lfm2_moe replaces the dense
-feed-forward of layers ``num_dense_layers ..`` with sigmoid-routed experts.
+LFM2-VL releases (``lfm2-vl``) run their text model and take images
+through mlx-vlm's vision side. lfm2_moe replaces the dense feed-forward of
+layers ``num_dense_layers ..`` with sigmoid-routed experts.
 
 A convolution layer's cache entry is ``{"conv": [B, K - 1, d]}``, the last
 gated inputs (``layers/recurrent.convolve``); attention layers own K/V buffers.
@@ -20,7 +21,7 @@ import mlx.core as mx
 
 from .. import ops
 from ..cache import causal_mask, kv_buffers, positions_from
-from ..interfaces import Release, TargetAdapter, fresh_draft_geometry
+from ..interfaces import ImageInputs, ImageSide, Release, TargetAdapter, fresh_draft_geometry
 from ..layers.lfm2 import AttentionGeometry, Routing, attention, dense_feed_forward, short_conv, sparse_moe
 from .base import decoder_layers, stopping_at_prompt_end
 
@@ -150,18 +151,22 @@ def feed_forward(spec: Lfm2Spec, index: int, p: dict, x: mx.array) -> mx.array:
     return sparse_moe(p, x, spec.routing)
 
 
-def forward(spec: Lfm2Spec, params: dict, kv: list, tokens, start, taps: tuple, keep=None):
+def forward(spec: Lfm2Spec, params: dict, kv: list, tokens, start, taps: tuple, keep=None,
+            images: ImageInputs | None = None):
     """Run ``tokens [B, L]`` at positions ``start[b] + i``: ``(final-normed hidden [B, L, d], taps [B, L, F], kv)``.
 
     Without ``keep`` the conv windows come back pending (``cache.settle`` keeps
     the accepted tokens'); with ``keep [B]`` only each row's first ``keep[b]``
-    tokens advance them.
+    tokens advance them. With ``images`` (a prefill chunk) the image features
+    replace the embeddings at image positions.
     """
     model = params["model"]
     positions = positions_from(start, tokens.shape[1])
     mask = causal_mask(positions, kv[spec.attention_layers[0]][0].shape[2])
     inv_freq = ops.rope_inv_freq(spec.geometry.head_dim, {"rope_theta": spec.rope_theta})
     h = ops.embed(model["embed_tokens"], tokens, spec.hidden_size)
+    if images is not None:
+        h = mx.where(images.mask[..., None], images.features.astype(h.dtype), h)
 
     def step(index, layer, entry, h):
         x = ops.rms_norm(h, layer["operator_norm"]["weight"], spec.eps)
@@ -187,9 +192,18 @@ def draft_geometry(config: dict) -> dict:
     return fresh_draft_geometry({**config, "intermediate_size": width})
 
 
+def image_features(vlm, inputs: dict) -> mx.array:
+    """``[N, d]``: mlx-vlm's SigLIP2 tower, pixel unshuffle and projector over
+    one prompt's images (every tile of each, in the order their tokens come)."""
+    views = vlm.encode_images(inputs["pixel_values"], spatial_shapes=inputs["spatial_shapes"],
+                              pixel_attention_mask=inputs["pixel_attention_mask"])
+    return mx.concatenate(list(views), axis=0)
+
+
 ADAPTER = TargetAdapter(
     model_types=("lfm2", "lfm2_moe"),
-    releases=(Release("lfm2-vl", "lfm2"),),
+    releases=(Release("lfm2-vl", "lfm2", images=ImageSide(module="lfm2_vl", modules=(
+        "vision_tower", "multi_modal_projector"), features=image_features)),),
     spec_from_config=spec_from_config, init_kv=init_kv, forward=forward,
     prompt_forward=stopping_at_prompt_end(forward), draft_geometry=draft_geometry,
 )

@@ -25,7 +25,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from .. import ops
 from ..cache import causal_mask, kv_buffers, positions_from
-from ..interfaces import Release, TargetAdapter
+from ..interfaces import ImageInputs, ImageSide, Release, TargetAdapter
 from ..layers.gated_delta import (
     AttentionGeometry,
     DeltaGeometry,
@@ -34,7 +34,7 @@ from ..layers.gated_delta import (
     gated_delta_net,
 )
 from ..layers.moe import routed_experts
-from .base import decoder_layers, model_fields, stopping_at_prompt_end
+from .base import decoder_layers, model_fields
 
 # RoPE kinds of the attention layers' rotary part; a text-only mrope (every
 # section at the same position) is plain RoPE, as mlx-lm runs it.
@@ -55,6 +55,7 @@ class Qwen3_5Spec:
     attention: AttentionGeometry
     top_k: int
     norm_topk_prob: bool
+    mrope_section: tuple | None = None  # multimodal RoPE: how many frequencies follow height and width
 
 
 def model_args(config: dict) -> dict:
@@ -158,7 +159,26 @@ def spec_from_config(config: dict) -> Qwen3_5Spec:
         attention=attention_geometry(args),
         top_k=args["num_experts_per_tok"],
         norm_topk_prob=args["norm_topk_prob"],
+        mrope_section=mrope_section(args),
     )
+
+
+def mrope_section(args: dict) -> tuple | None:
+    """The multimodal RoPE sections of a VL release's text config (None for text models)."""
+    section = (args["rope_scaling"] or {}).get("mrope_section")
+    return tuple(section) if section else None
+
+
+def frequency_axes(section: tuple, frequencies: int) -> mx.array:
+    """``[F]``: the axis (0 temporal, 1 height, 2 width) each rotary frequency
+    follows under interleaved multimodal RoPE: every third frequency from the
+    second follows height, from the third width, ``section[1]`` and
+    ``section[2]`` of them; the others time."""
+    axes = [0] * frequencies
+    for axis in (1, 2):
+        for index in range(axis, min(3 * section[axis], frequencies), 3):
+            axes[index] = axis
+    return mx.array(axes)
 
 
 def load_params(directory) -> dict:
@@ -173,13 +193,17 @@ def load_params(directory) -> dict:
 
 
 def init_kv(spec: Qwen3_5Spec, batch: int, capacity: int, dtype=mx.float32) -> list:
-    """Per layer: a delta net's ``{"conv", "ssm"}`` state, or an attention layer's K/V buffers ``[B, H_kv, C, D]``."""
+    """Per layer: a delta net's ``{"conv", "ssm"}`` state, or an attention
+    layer's K/V buffers ``[B, H_kv, C, D]``; with multimodal RoPE a last entry
+    ``{"shift": [B]}``, how far each row's positions run from its slots (an
+    image takes fewer positions than tokens)."""
     attention = spec.attention
-    return [
+    layers = [
         delta_state(spec.delta, batch, dtype) if linear
         else kv_buffers(batch, attention.num_kv_heads, capacity, attention.head_dim, dtype)
         for linear in spec.linear
     ]
+    return layers + [{"shift": mx.zeros((batch,), mx.int32)}] if spec.mrope_section else layers
 
 
 def sparse_moe(spec: Qwen3_5Spec, p: dict, x: mx.array) -> mx.array:
@@ -194,15 +218,28 @@ def sparse_moe(spec: Qwen3_5Spec, p: dict, x: mx.array) -> mx.array:
     return routed + mx.sigmoid(ops.linear(p["shared_expert_gate"], x)) * ops.glu_mlp(p["shared_expert"], x)
 
 
-def forward(spec: Qwen3_5Spec, params: dict, kv: list, tokens, start, taps: tuple, keep=None):
-    """Run ``tokens [B, L]`` at positions ``start[b] + i``: ``(final-normed
+def forward(spec: Qwen3_5Spec, params: dict, kv: list, tokens, start, taps: tuple, keep=None,
+            images: ImageInputs | None = None):
+    """Run ``tokens [B, L]`` at slots ``start[b] + i``: ``(final-normed
     hidden [B, L, d], taps [B, L, F], kv)``; the delta nets' states pending,
-    or committed after ``keep[b]`` tokens when given."""
+    or committed after ``keep[b]`` tokens when given. A row's positions are
+    its slots plus its shift; with ``images`` (a prefill chunk) the image
+    features replace the embeddings at image positions, and each token's
+    temporal, height and width positions rotate their own frequencies."""
     model = params["model"]
+    kv, shift = (kv[:-1], kv[-1]) if spec.mrope_section else (kv, None)
     positions = positions_from(start, tokens.shape[1])
     capacity = kv[spec.linear.index(False)][0].shape[2]
     mask = causal_mask(positions, capacity)
+    if shift is not None:
+        positions = positions + shift["shift"][:, None]
     h = ops.embed(model["embed_tokens"], tokens, spec.hidden_size)
+    if images is not None:
+        h = mx.where(images.mask[..., None], images.features.astype(h.dtype), h)
+        if shift is not None:
+            frequencies = spec.attention.rotary_dims // 2
+            axes = frequency_axes(spec.mrope_section, frequencies)
+            positions = mx.take(positions[:, None] + images.offsets, axes, axis=1).transpose(0, 2, 1)
 
     def step(index, layer, entry, h):
         x = ops.rms_norm(h, layer["input_layernorm"]["weight"], spec.eps)
@@ -218,16 +255,59 @@ def forward(spec: Qwen3_5Spec, params: dict, kv: list, tokens, start, taps: tupl
         return h + (sparse_moe(spec, layer["mlp"], x) if spec.sparse[index] else ops.glu_mlp(layer["mlp"], x)), entry
 
     h, features, new_kv = decoder_layers(h, model["layers"], kv, step, taps)
+    new_kv = new_kv + [shift] if shift is not None else new_kv
     return ops.rms_norm(h, model["norm"]["weight"], spec.eps), features, new_kv
+
+
+def prompt_forward(spec: Qwen3_5Spec, params: dict, kv: list, tokens, start, taps: tuple, first, end,
+                   images: ImageInputs | None = None):
+    """``forward`` over a prefill chunk: states committed at each prompt's
+    end, and the chunk holding a prompt's last token adds the shift its
+    images leave for the tokens after it."""
+    length = tokens.shape[1]
+    hidden, features, kv = forward(spec, params, kv, tokens, start, taps, keep=mx.clip(end - start, 0, length),
+                                   images=images)
+    if images is not None and spec.mrope_section:
+        ends_here = (end > start) & (end <= start + length)
+        kv = kv[:-1] + [{"shift": kv[-1]["shift"] + mx.where(ends_here, images.shift, 0)}]
+    return hidden, features, kv
+
+
+def image_features(vlm, inputs: dict) -> mx.array:
+    """``[N, d]``: mlx-vlm's vision tower (patch merger included) over one prompt's images."""
+    features, _ = vlm.vision_tower(inputs["pixel_values"], inputs["image_grid_thw"])
+    return features
+
+
+def image_positions(vlm_config, ids, inputs: dict):
+    """``[3, L]``: mlx-vlm's multimodal RoPE positions of a prompt's tokens
+    (each image's tokens laid out over time, height and width; the text after
+    an image resumes past its largest position). ``get_rope_index`` reads
+    only its model's config, so it runs here without the model."""
+    from types import SimpleNamespace
+
+    from mlx_vlm.utils import get_model_and_args
+
+    module, _ = get_model_and_args({"model_type": vlm_config.model_type})
+    ids = mx.array(ids)[None]
+    grid = inputs.get("image_grid_thw")
+    positions, _ = module.LanguageModel.get_rope_index(SimpleNamespace(config=vlm_config), ids,
+                                                       None if grid is None else mx.array(grid))
+    return positions[:, 0] if positions.ndim == 3 else mx.broadcast_to(positions, (3, ids.shape[1]))
 
 
 # The vision tower of the VL releases: ``visual`` as published, ``vision_tower`` as mlx-vlm names it.
 TOWERS = ("vision_tower", "visual")
 
+
+def image_side(module: str) -> ImageSide:
+    return ImageSide(module=module, modules=("vision_tower",), features=image_features, positions=image_positions)
+
+
 ADAPTER = TargetAdapter(
     model_types=("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"),
-    releases=(Release("qwen3_5", "qwen3_5_text", towers=TOWERS),
-              Release("qwen3_5_moe", "qwen3_5_moe_text", towers=TOWERS)),
+    releases=(Release("qwen3_5", "qwen3_5_text", towers=TOWERS, images=image_side("qwen3_5")),
+              Release("qwen3_5_moe", "qwen3_5_moe_text", towers=TOWERS, images=image_side("qwen3_5_moe"))),
     spec_from_config=spec_from_config, init_kv=init_kv, forward=forward, load_params=load_params,
-    prompt_forward=stopping_at_prompt_end(forward),
+    prompt_forward=prompt_forward,
 )
