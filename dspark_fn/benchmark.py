@@ -8,26 +8,46 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from .buffers import capacity_for, init_cache
+from .constraints import Grammar
 from .driver import generate
 from .prefilling import prefill, prefill_slots
 from .rounds import propose, verify
+from .sampling import allowed_tokens
 from .stats import Tally
 
 
-def baseline_tokens(model, prompt: list[int], max_new_tokens: int, stop: set, temperature: float = 0.0) -> list[int]:
+def baseline_tokens(model, prompt: list[int], max_new_tokens: int, stop: set, temperature: float = 0.0,
+                    grammar: Grammar | None = None) -> list[int]:
     """Decoding with mlx-lm's generate_step (greedy, or sampled at ``temperature``
-    with mlx-lm's own sampler), cut at the first stop token."""
+    with mlx-lm's own sampler), cut at the first stop token; under ``grammar``
+    its mask is applied to the logits (a logits processor), as constrained
+    decoding does."""
     from mlx_lm.generate import generate_step
     from mlx_lm.sample_utils import make_sampler
 
     tokens = []
     sampler = make_sampler(temp=temperature) if temperature else (lambda x: mx.argmax(x, axis=-1))
-    steps = generate_step(mx.array(prompt), model, max_tokens=max_new_tokens, sampler=sampler)
+    processors = [] if grammar is None else [grammar_processor(grammar, len(prompt))]
+    steps = generate_step(mx.array(prompt), model, max_tokens=max_new_tokens, sampler=sampler,
+                          logits_processors=processors)
     for token, _ in steps:
         tokens.append(int(token))
         if tokens[-1] in stop:
             break
     return tokens
+
+
+def grammar_processor(grammar: Grammar, prompt_length: int):
+    """An mlx-lm logits processor holding the tokens after the prompt to ``grammar``."""
+    matcher = grammar.matcher()
+    followed = [prompt_length]  # tokens of the sequence the matcher has seen, the prompt included
+
+    def processor(tokens: mx.array, logits: mx.array) -> mx.array:
+        matcher.commit(tokens[followed[0]:].tolist())
+        followed[0] = tokens.shape[-1]
+        return mx.where(allowed_tokens(mx.array(matcher.mask()), logits.shape[-1]), logits, -mx.inf)
+
+    return processor
 
 
 def dspark_tokens(params, prompt, max_new_tokens, stop, acceptance: Tally | None = None, **options):

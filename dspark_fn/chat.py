@@ -37,3 +37,29 @@ def chat_tokens(tokenizer, text: str, system: str | None = None, think: bool = F
 def stop_tokens(tokenizer) -> list[int]:
     """The tokens that end the model's turn."""
     return sorted(getattr(tokenizer, "eos_token_ids", None) or [tokenizer.eos_token_id])
+
+
+def _last(tokens: list, marker: tuple) -> int:
+    """Where the last occurrence of ``marker`` starts in ``tokens`` (-1: none)."""
+    size = len(marker)
+    return next((i for i in range(len(tokens) - size, -1, -1) if tuple(tokens[i : i + size]) == marker), -1)
+
+
+def thinking_ahead(tokenizer, prompt: list[int]) -> tuple | None:
+    """How a thinking model (mlx-lm's ``has_thinking``: Qwen3-style ``<think>``)
+    goes on from ``prompt``: ``(start, end)``, the markers of its thinking
+    (``start`` None when the prompt leaves it inside its thinking already;
+    each the ids of its tokens, ``end`` its text when it takes several), or
+    None when no thinking comes first (the tokenizer knows none, or the
+    prompt closed one just before the reply, as templates do with thinking
+    off). A constraint on the reply applies from the end of the thinking on."""
+    if not getattr(tokenizer, "has_thinking", False):
+        return None
+    start, end = tuple(tokenizer.think_start_tokens), tuple(tokenizer.think_end_tokens)
+    opened, closed = _last(prompt, start), _last(prompt, end)
+    ending = list(end) if len(end) == 1 else tokenizer.think_end
+    if opened > closed:
+        return None, ending
+    if closed >= 0 and not tokenizer.decode(prompt[closed + len(end) :]).strip():
+        return None
+    return list(start), ending

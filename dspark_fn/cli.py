@@ -188,7 +188,46 @@ def sequence_report(events: list) -> dict:
     rounds = [{"drafted": e.drafted, "accepted": e.accepted, "emitted": e.emitted, "source": e.source}
               for e in events if e.kind == "round"]
     return {"tokens": [t for e in events for t in e.emitted], "rounds": rounds, "tau": tally.tau,
-            "sources": tally.sources()}
+            "sources": tally.sources(), "finish": events[-1].finish if events else None}
+
+
+def constraint_of(args):
+    """The ``Constraint`` the generate flags ask for (--json-schema, --regex, --grammar), or None."""
+    from .constraints import Constraint
+
+    def read(path: str, flag: str) -> str:
+        try:
+            with open(path) as file:
+                return file.read()
+        except OSError as error:
+            raise SystemExit(f"dspark: cannot read the {flag} file: {error}") from None
+
+    if args.json_schema:
+        return Constraint("json_schema", read(args.json_schema, "--json-schema"))
+    if args.regex is not None:
+        return Constraint.regex(args.regex)
+    if args.grammar:
+        return Constraint.grammar(read(args.grammar, "--grammar"))
+    return None
+
+
+def prompt_grammars(constraint, prompts: list, tokenizer, vocab_size: int, stop: list) -> list | None:
+    """One compiled grammar per prompt (a thinking model's from the end of its thinking on), or None."""
+    if constraint is None:
+        return None
+    from .chat import thinking_ahead
+    from .constraints import Constraint, Vocabulary, compile_constraint
+
+    if tokenizer is None:
+        raise SystemExit("dspark: a constraint is compiled against the model's tokenizer, and this model has none")
+    vocabulary = Vocabulary(tokenizer, vocab_size, end_tokens=stop)
+    grammars = []
+    for prompt in prompts:
+        thinking = thinking_ahead(tokenizer, prompt)
+        held = constraint if thinking is None else Constraint.after_thinking(constraint, end=thinking[1],
+                                                                             start=thinking[0])
+        grammars.append(compile_constraint(held, vocabulary))
+    return grammars
 
 
 def run_generate(args) -> int:
@@ -203,14 +242,16 @@ def run_generate(args) -> int:
     if args.compare and len(prompts) > 1:
         raise SystemExit("dspark: --compare takes a single prompt")
     stop = stop_ids(tokenizer)
+    grammars = prompt_grammars(constraint_of(args), prompts, tokenizer, params.spec.target.vocab_size, stop)
+    options = decoding_options(args) | {"constraint": grammars}
     stream = TextStream(tokenizer, stop) if not args.json and len(prompts) == 1 else None
     sequences, overall = {index: [] for index in range(len(prompts))}, Tally()  # the prompt's index -> its events
     if args.compare:
-        warm_up(generate(params, prompts, args.max_tokens, stop_tokens=stop, **decoding_options(args)))
+        warm_up(generate(params, prompts, args.max_tokens, stop_tokens=stop, **options))
     clock = DecodeClock(lambda: sum(TRACE_COUNTS.values()))
     start = time.perf_counter()
     try:
-        events = generate(params, prompts, args.max_tokens, stop_tokens=stop, **decoding_options(args))
+        events = generate(params, prompts, args.max_tokens, stop_tokens=stop, **options)
         for event in clock.watch(events):
             sequences[event.tag].append(event)
             overall.count(event)
@@ -240,6 +281,8 @@ def run_generate(args) -> int:
             text.add(sequence_tokens)
             text.close()
     produced = sum(len(t) for t in tokens)
+    if any(report["finish"] == "dead_end" for report in reports):
+        print("[the constraint admits no token at the end of the output shown: it ended there]", file=sys.stderr)
     print(
         f"[{produced} tokens in {elapsed:.1f} s, tau {overall.tau:.2f}, acceptance {overall.acceptance_rate:.0%}; "
         f"decoding {clock.tokens_per_s:.1f} tokens/s once compiled]",
@@ -251,8 +294,9 @@ def run_generate(args) -> int:
         from .checkpoints import mlx_lm_model
 
         target = mlx_lm_model(config, params.target)
-        baseline_tokens(target, prompts[0], 4, set(stop))
-        baseline, seconds = timed(baseline_tokens, target, prompts[0], args.max_tokens, set(stop))
+        grammar = grammars[0] if grammars else None
+        baseline_tokens(target, prompts[0], 4, set(stop), grammar=grammar)
+        baseline, seconds = timed(baseline_tokens, target, prompts[0], args.max_tokens, set(stop), grammar=grammar)
         same = "identical tokens" if baseline == tokens[0] else "DIFFERENT tokens"
         print(
             f"[target alone (mlx-lm): {len(baseline) / seconds:.1f} tokens/s; dspark {produced / elapsed:.1f} "
@@ -366,6 +410,7 @@ def run_serve(args) -> int:
         from .serve.access import KEY_VARIABLE, is_loopback, read_keys
         from .serve.app import serve, system_fingerprint
         from .serve.engine import Engine
+        from .serve.structured import Grammars
         from .serve.images import ImageSources
     except ImportError as missing:
         raise SystemExit(f"dspark serve needs its extra: pip install 'dspark-fn[serve]' ({missing})") from None
@@ -384,7 +429,8 @@ def run_serve(args) -> int:
     engine = Engine(
         params, max_batch=args.max_batch, max_context=args.max_context,
         prompt_cache_bytes=args.prompt_cache_mb << 20, group=group, max_queue=args.max_queue,
-        queue_timeout=args.queue_timeout, **verify_options(args),
+        queue_timeout=args.queue_timeout,
+        grammars=Grammars(tokenizer, params.spec.target.vocab_size, stop_ids(tokenizer)), **verify_options(args),
     )
     if group.rank() != 0:  # no clients here: the same engine loop, its inputs from rank 0
         engine.follow()
@@ -438,6 +484,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set of mass p (1: off)")
     gen.add_argument("--seed", type=int, default=0, help="random seed of the sampler")
     add_verify_arguments(gen)
+    held = gen.add_mutually_exclusive_group()
+    held.add_argument("--json-schema", metavar="FILE", help="hold the output to the JSON Schema in FILE (one layout: "
+                      "', ' and ': ' separators, unless the schema's own \"x-guidance\" says otherwise)")
+    held.add_argument("--regex", metavar="R", help="hold the output to the regular expression R (matched whole)")
+    held.add_argument("--grammar", metavar="FILE", help="hold the output to the Lark (llguidance's dialect) or GBNF "
+                      "grammar in FILE")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text "
                      '(several prompts: {"batch": [one object per prompt]})')
     gen.add_argument("--compare", action="store_true", help="also run the target alone and print the speedup")

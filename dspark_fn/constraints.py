@@ -22,8 +22,18 @@ token: the constrained target gives that proposal probability 0, so it is
 never kept and nothing after it is read.
 
 Kinds are a table (``GRAMMARS``: kind -> function from the constraint's text
-to an llguidance grammar), so a new kind (tool calls in a model's format) is
-one entry that builds a grammar from the others (Lark with ``%json``).
+to an llguidance grammar). Besides the plain kinds (a JSON Schema, any JSON
+object, a regular expression, a Lark or GBNF grammar) it holds tool calls in
+a model's format (markers around ``{"name": ..., "arguments": ...}``, each
+tool's parameters a JSON Schema: Lark with ``%json``) and two kinds made of
+others: ``after_thinking`` (free text until the model's end-of-thinking
+marker, then the constraint) and ``any_of`` (any one of several).
+
+JSON is held to one layout unless the schema says otherwise in its own
+``"x-guidance"``: the separators ``", "`` and ``": "`` and no other
+whitespace outside strings (``JSON_LAYOUT``). llguidance's default, free
+whitespace at every separator, lets a model pad without bound; one layout
+also makes the keys and punctuation forced tokens.
 """
 
 import json
@@ -62,24 +72,148 @@ class Constraint(NamedTuple):
         """Text in the language of a Lark grammar (llguidance's dialect) or a GBNF one."""
         return cls("grammar", text)
 
+    @classmethod
+    def tool_calls(cls, tools: Sequence[dict], start: "str | Sequence[int]" = "<tool_call>",
+                   end: "str | Sequence[int]" = "</tool_call>", padding: str = "",
+                   parallel: bool = True) -> "Constraint":
+        """One call (or, with ``parallel``, one or more) of ``tools`` in the
+        model's format: ``start``, ``padding``, ``{"name": ..., "arguments":
+        ...}`` (the name one of the tools', the arguments valid under its
+        ``parameters`` schema; an absent schema takes any object),
+        ``padding``, ``end``; calls separated by up to 4 spaces or newlines.
+        ``tools``: ``{"name", "parameters"}`` each (OpenAI's ``function``
+        objects). A marker is its text, or the ids of the tokens that spell
+        it (a marker that is one special token of the vocabulary must be
+        given as its id). ``padding`` is what the model's template writes
+        between a marker and the JSON (Qwen's: a newline)."""
+        if not tools:
+            raise ValueError("a tool-call constraint needs at least one tool")
+        listed = [{"name": tool["name"], "parameters": tool.get("parameters") or {"type": "object"}} for tool in tools]
+        return cls("tool_calls", json.dumps({"tools": listed, "start": _marker_data(start), "end": _marker_data(end),
+                                             "padding": padding, "parallel": parallel}))
+
+    @classmethod
+    def after_thinking(cls, then: "Constraint", end: "str | Sequence[int]",
+                       start: "str | Sequence[int] | None" = None) -> "Constraint":
+        """Free text while the model thinks, then ``then``: with ``start`` (the
+        output does not begin inside the thinking) the thinking is optional
+        and opens with ``start``; without, the output begins inside it. It ends
+        at ``end`` (its first occurrence: one token id, or text), then up to
+        8 whitespace characters, then ``then``."""
+        if not isinstance(end, str) and len(end) != 1:
+            raise ValueError(f"the end of thinking must be one token id or text, got ids {list(end)}")
+        return cls("after_thinking", json.dumps({"start": None if start is None else _marker_data(start),
+                                                 "end": _marker_data(end), "then": list(then)}))
+
+    @classmethod
+    def any_of(cls, *choices: "Constraint") -> "Constraint":
+        """Output that matches any one of ``choices``."""
+        if len(choices) < 2:
+            raise ValueError("any_of takes at least two constraints")
+        return cls("any_of", json.dumps([list(choice) for choice in choices]))
+
+
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def _laid_out(schema):
+    """``schema`` with ``JSON_LAYOUT`` unless it sets its own (``"x-guidance"``)."""
+    return schema if not isinstance(schema, dict) or "x-guidance" in schema else {**schema, "x-guidance": JSON_LAYOUT}
+
 
 def _json_schema_grammar(source: str) -> str:
     try:
         schema = json.loads(source)
     except json.JSONDecodeError as error:
         raise ValueError(f"the JSON schema is not valid JSON: {error}") from None
-    return llguidance.LLMatcher.grammar_from_json_schema(schema)
+    return llguidance.LLMatcher.grammar_from_json_schema(_laid_out(schema))
 
 
 def _lark_or_gbnf(text: str) -> str:
     return llguidance.grammar_from("grammar", text)  # GBNF is converted to Lark; Lark passes as it is
 
 
+def _marker_data(marker) -> "str | list[int]":
+    return marker if isinstance(marker, str) else [int(token) for token in marker]
+
+
+def _marker(marker: "str | list[int]") -> str:
+    """A marker in Lark: its text as a literal, or its tokens by id."""
+    return json.dumps(marker, ensure_ascii=False) if isinstance(marker, str) else " ".join(f"<[{token}]>" for token in marker)
+
+
+SEPARATOR = r"/[ \t\r\n]{1,4}/"  # between tool calls
+
+
+def _tool_calls_grammar(source: str) -> str:
+    spec = json.loads(source)
+    calls = [{"type": "object", "properties": {"name": {"const": tool["name"]}, "arguments": tool["parameters"]},
+              "required": ["name", "arguments"], "additionalProperties": False} for tool in spec["tools"]]
+    body = _laid_out(calls[0] if len(calls) == 1 else {"anyOf": calls})
+    repeat = " (SEP? call)*" if spec["parallel"] else ""
+    padding = f" {_marker(spec['padding'])} " if spec["padding"] else " "
+    return (f"start: call{repeat}\ncall: {_marker(spec['start'])}{padding}%json {json.dumps(body)}{padding}"
+            f"{_marker(spec['end'])}\nSEP: {SEPARATOR}")
+
+
+def _after_thinking_parts(source: str, prefix: str) -> tuple[str, list]:
+    spec = json.loads(source)
+    end = spec["end"]
+    if isinstance(end, str):  # text: the thinking stops at its first occurrence, which it takes in
+        thinking, rules = "think", f"think[stop={_marker(end)}]: /(?s:.*)/"
+    else:  # a token: text cannot hold it, so the thinking ends where it comes
+        thinking, rules = f"THINK {_marker(end)}", "THINK: /(?s:.*)/"
+    if spec["start"] is not None:
+        thinking = f"({_marker(spec['start'])} {thinking} WS?)?"
+    else:
+        thinking = f"{thinking} WS?"
+    then = prefix + "then"
+    return f"start: {thinking} @{then}\n{rules}\nWS: /[ \\t\\r\\n]{{1,8}}/", [(then, Constraint(*spec["then"]))]
+
+
+def _any_of_parts(source: str, prefix: str) -> tuple[str, list]:
+    choices = [Constraint(*choice) for choice in json.loads(source)]
+    names = [f"{prefix}choice{i}" for i in range(len(choices))]
+    return "start: " + " | ".join(f"@{name}" for name in names), list(zip(names, choices))
+
+
+# Kinds made of other constraints: kind -> (source, a prefix for the names of its parts) -> (the Lark
+# grammar it starts with, naming each part ``@name``, and the parts as (name, Constraint)).
+COMPOSITES: dict[str, Callable[[str, str], tuple[str, list]]] = {
+    "after_thinking": _after_thinking_parts,
+    "any_of": _any_of_parts,
+}
+
+
+def _top_level(constraint: Constraint, name: str | None = None) -> list[dict]:
+    """``constraint`` as llguidance's list of named grammars, the first (named
+    ``name``) where it starts; a composite's parts get names under its own."""
+    if constraint.kind not in GRAMMARS:
+        raise ValueError(f"unknown constraint kind {constraint.kind!r}: one of {', '.join(GRAMMARS)}")
+    if constraint.kind in COMPOSITES:
+        start, parts = COMPOSITES[constraint.kind](constraint.source, f"{name}_" if name else "")
+        grammars = [{"lark_grammar": start}]
+        for part_name, part in parts:
+            grammars += _top_level(part, part_name)
+    else:
+        text = GRAMMARS[constraint.kind](constraint.source)
+        grammars = json.loads(text)["grammars"] if text.lstrip().startswith("{") else [{"lark_grammar": text}]
+        if len(grammars) != 1:
+            raise ValueError(f"a {constraint.kind} constraint inside another must be one grammar")
+    return [dict(grammars[0], name=name)] + grammars[1:] if name else grammars
+
+
+def _composite_grammar(kind: str) -> Callable[[str], str]:
+    return lambda source: json.dumps({"grammars": _top_level(Constraint(kind, source))})
+
+
 GRAMMARS: dict[str, Callable[[str], str]] = {
     "json_schema": _json_schema_grammar,
-    "json_object": lambda _: llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}),
+    "json_object": lambda _: llguidance.LLMatcher.grammar_from_json_schema(_laid_out({"type": "object"})),
     "regex": llguidance.LLMatcher.grammar_from_regex,
     "grammar": _lark_or_gbnf,
+    "tool_calls": _tool_calls_grammar,
+    **{kind: _composite_grammar(kind) for kind in COMPOSITES},
 }
 
 
@@ -192,6 +326,9 @@ def compile_constraint(constraint: Constraint, vocabulary: Vocabulary, limits: L
 def _refusal(kind: str, message: str) -> str:
     """The engine's reason in words a request's author can act on."""
     first = message.strip().splitlines()[0]
+    for known in ("Unimplemented keys", "Unsatisfiable schema"):  # a schema's own, or one inside a grammar
+        if known in first:
+            first = first[first.index(known):]
     if first.startswith("Unimplemented keys"):
         return (f"the JSON schema uses keywords that cannot be enforced while generating ({first.split(': ', 1)[1]}): "
                 "remove them (the output would not be checked against them)")
@@ -251,28 +388,31 @@ class Matcher:
 
     def mask(self) -> np.ndarray:
         """The tokens allowed next, ``[ceil(V/32)]`` uint32 bits."""
+        return self._mask(self._state) if not self.dead_end else np.zeros(self.grammar.vocabulary.words, np.uint32)
+
+    def _mask(self, state: llguidance.LLMatcher) -> np.ndarray:
         vocabulary = self.grammar.vocabulary
         engine = np.zeros((1, vocabulary.engine_words), np.int32)
-        if not self.dead_end:
-            self._state.unsafe_compute_mask_ptr(engine.ctypes.data, engine.nbytes)
+        state.unsafe_compute_mask_ptr(engine.ctypes.data, engine.nbytes)
         return vocabulary.widened(engine)[0]
 
     def forced(self, limit: int) -> list[int]:
         """Up to ``limit`` tokens the grammar forces from here: while exactly
         one token is allowed (keys, punctuation, an enum's tail), that token.
         Each is a point-mass proposal the constrained target accepts with
-        probability one; the matcher is left where it was."""
-        forced, consumed = [], 0
+        probability one. The matcher stays where it was (the tokens after the
+        first are followed on a copy: a state the engine finds at a dead end
+        stays there, so only this state's own dead end may mark it)."""
+        forced, state = [], self._state
         while len(forced) < limit and not self.dead_end:
-            allowed = np.flatnonzero(np.unpackbits(self.mask().view(np.uint8), bitorder="little"))
-            if len(allowed) != 1:
+            allowed = np.flatnonzero(np.unpackbits(self._mask(state).view(np.uint8), bitorder="little"))
+            if len(allowed) != 1 or state.is_error():  # at a dead end the engine allows an end of sequence
                 break
             forced.append(int(allowed[0]))
-            if forced[-1] in self.grammar.vocabulary.eos:  # nothing follows an end (and the engine
-                break  # does not count one among the tokens it rolls back)
-            self._state.consume_token(forced[-1])
-            consumed += 1
-        self._state.rollback(consumed)
+            if forced[-1] in self.grammar.vocabulary.eos:  # nothing follows an end
+                break
+            state = state.deep_copy() if state is self._state else state
+            state.consume_token(forced[-1])
         return forced
 
 
@@ -285,13 +425,18 @@ def _executor() -> llguidance.LLExecutor:
     return _EXECUTOR[0]
 
 
-def verify_masks(matchers: Sequence["Matcher | None"], proposals, vocab_size: int) -> np.ndarray:
+def verify_masks(matchers: Sequence["Matcher | None"], proposals, vocab_size: int, limits=None) -> np.ndarray:
     """Bits ``[B, W, ceil(V/32)]`` for a verify of ``proposals [B, W - 1]``:
     row ``b``'s position ``j`` allows what its grammar allows after its
     committed tokens and ``proposals[b, :j]``; rows whose matcher is None
-    allow every token. Masks are computed in parallel (llguidance's
+    allow every token. With ``limits [B]`` (the proposals each row may keep)
+    positions past ``limits[b]``, which the verify never reads, allow every
+    token and cost nothing. Masks are computed in parallel (llguidance's
     executor, along each row's proposals, each matcher rolled back after)."""
     proposals = np.asarray(proposals).astype(np.int64)
+    if limits is not None:  # an id past any vocabulary ends a row's proposals where it stands
+        kept = np.arange(proposals.shape[1]) < np.asarray(limits)[:, None]
+        proposals = np.where(kept, proposals, np.iinfo(np.int32).max)
     if proposals.ndim != 2 or len(proposals) != len(matchers):
         raise ValueError(f"proposals of shape {proposals.shape} for {len(matchers)} rows: need [rows, width - 1]")
     width = proposals.shape[1] + 1
@@ -306,7 +451,9 @@ def verify_masks(matchers: Sequence["Matcher | None"], proposals, vocab_size: in
     engine = np.full((len(live) * width, vocabulary.engine_words), -1, np.int32)
     jobs = [(m._state, i * width, tokens) for i, ((_, m), tokens) in
             enumerate(zip(live, _known(proposals[[b for b, _ in live]], vocabulary)))]
-    along = [job for job in jobs if job[2]]  # the engine takes rows with proposals and rows without apart
+    # The engine takes rows with proposals and rows without apart. Along a proposal it works on a copy:
+    # a proposal may lead where the grammar admits nothing, and a state found there stays there.
+    along = [(state.deep_copy(), start, tokens) for state, start, tokens in jobs if tokens]
     if along:
         _executor().unsafe_compute_mask_ptr_with_draft_token(along, engine.ctypes.data, engine.shape[1] * 4,
                                                              len(engine))

@@ -10,11 +10,24 @@ the sequences when the batch is resized, so no caller keeps a row map.
 
 A sequence's ``Row`` holds its sampling settings, its committed length, its
 budget and stop tokens, whether it asked for log-probabilities, its copy
-index and what it emitted so far. Every step cuts each sequence's tokens by
-its own rule (``Row.cut``) and says which ended and why (``Step.finished``);
-none of ``generate``, the server's engine, the trainer's answering or the
-command line cuts tokens or counts a budget of its own. What each round
-proposes and how wide it verifies is the ``schedule.Planner``'s to decide.
+index, its constraint's matcher and what it emitted so far. Every step cuts
+each sequence's tokens by its own rule (``Row.cut``) and says which ended
+and why (``Step.finished``); none of ``generate``, the server's engine, the
+trainer's answering or the command line cuts tokens or counts a budget of
+its own. What each round proposes and how wide it verifies is the
+``schedule.Planner``'s to decide.
+
+A sequence under a constraint (``insert(..., constraints=...)``: a compiled
+``constraints.Grammar``) owns a ``Matcher`` that has followed every token it
+emitted, its anchor included. The decoder builds the masks each kernel
+reads from the matchers (its first token's, the verify's along each row's
+proposal, the draft's first slot when the draft runs after the matchers have
+followed the last round), advances each matcher by the tokens its row
+committed, and after each step reads the tokens the grammar forces next,
+which the planner may propose (``schedule``). A sequence ends with "stop"
+at the grammar's end-of-sequence token (added to its stop tokens) and with
+"dead_end" where its grammar admits no token at all: its output is cut
+before any token the grammar refuses, so none is ever reported.
 """
 
 import dataclasses
@@ -26,6 +39,7 @@ import numpy as np
 
 from .buffers import capacity_for, check_writes, free_row, grow_cache, init_cache, row_cache, take_rows
 from .cache import Cache, is_recurrent
+from .constraints import Grammar, Matcher, draft_masks, next_masks, verify_masks
 from .copying import Copy, CopyIndex
 from .costs import measured_costs
 from .prefilling import as_rows, insert, prefill
@@ -51,20 +65,27 @@ class Row:
     stop_tokens: frozenset = frozenset()  # a token that ends it (kept)
     scoring: int | None = None  # most likely alternatives to list with each token's log-probability, or None
     index: CopyIndex | None = None  # its committed n-grams, when rows propose copies
+    matcher: Matcher | None = None  # its constraint's state after every token it emitted, when it has one
+    forced: list = dataclasses.field(default_factory=list)  # the tokens its grammar forces next
     keep_cache: bool = False  # give its cache back when it ends
     fresh: bool = True  # it joined after the pending draft was made, so that draft does not cover it
-    finish: str | None = None  # "stop", "length" or "cancelled" once it ended
+    finish: str | None = None  # "stop", "length", "dead_end" or "cancelled" once it ended
     tokens: list = dataclasses.field(default_factory=list)  # what it emitted so far
     tally: Tally = dataclasses.field(default_factory=Tally)  # its rounds' acceptance
 
     def cut(self, tokens: list) -> list:
         """Its share of ``tokens``: up to its first stop token (kept) and its
-        budget; counts them against the budget, notes why it ended and
-        keeps them."""
+        budget, and before any token its grammar refuses (then it ends with
+        "dead_end"; its matcher follows the rest); counts them against the
+        budget, notes why it ended and keeps them."""
         kept = tokens if self.budget is None else tokens[: self.budget]
         stop = next((i for i, token in enumerate(kept) if token in self.stop_tokens), None)
         if stop is not None:
             kept, self.finish = kept[: stop + 1], "stop"
+        if self.matcher is not None:
+            allowed = self.matcher.commit(kept)
+            if allowed < len(kept):
+                kept, self.finish = kept[:allowed], "dead_end"
         if self.budget is not None:
             self.budget -= len(kept)
             if self.finish is None and self.budget <= 0:
@@ -113,12 +134,12 @@ def token_scores(scored: TokenLogProbs, rows: list, counts: list, tops: list) ->
     ]
 
 
-def _copy_tokens(copies: list, slots: int) -> mx.array:
-    """``[B, slots]``: each row's copy, zero-padded."""
-    tokens = np.zeros((len(copies), slots), np.int32)
-    for row, copy in enumerate(copies):
-        tokens[row, : min(slots, len(copy.tokens))] = copy.tokens[:slots]
-    return mx.array(tokens)
+def _copy_tokens(proposals: list, slots: int) -> np.ndarray:
+    """``[B, slots]``: each row's point-mass proposal (a list of tokens), zero-padded."""
+    tokens = np.zeros((len(proposals), slots), np.int32)
+    for row, proposal in enumerate(proposals):
+        tokens[row, : min(slots, len(proposal))] = proposal[:slots]
+    return tokens
 
 
 class Decoder:
@@ -178,28 +199,32 @@ class Decoder:
     # ---- sequences in
 
     def start(self, prompts: list, sampling=GREEDY, *, tags: Sequence[Hashable] | None = None,
-              max_new_tokens: int | None = None, stop_tokens: Sequence[int] = ()) -> Step:
+              max_new_tokens: int | None = None, stop_tokens: Sequence[int] = (), constraints=None) -> Step:
         """Prefill a whole batch of sequences at once (batched) into the
         empty decoder, one a row, each with its budget of ``max_new_tokens``
-        (default: none) and ``stop_tokens``, tagged ``tags`` (default: the
-        decoder hands out 0, 1, ...); returns the step of their first tokens.
-        The first round's draft is made with the prefill."""
+        (default: none), ``stop_tokens`` and ``constraints`` (see
+        ``insert``), tagged ``tags`` (default: the decoder hands out 0, 1,
+        ...); returns the step of their first tokens. The first round's
+        draft is made with the prefill."""
         if self.live.any():
             raise ValueError("start fills an empty decoder; insert adds sequences to a running one")
         tags = self._new_tags(tags, len(prompts))
+        matchers = self._matchers(constraints, len(prompts))
         settings = [sampling] * self.batch if isinstance(sampling, Sampling) else list(sampling)
-        self.cache, self.tokens = prefill(self.params, self.cache, prompts, sampling=settings, grow=self.growing)
+        self.cache, self.tokens = prefill(self.params, self.cache, prompts, sampling=settings, grow=self.growing,
+                                          masks=self._first_masks(matchers))
         self._sampling = batch_sampling(settings, self.batch)
         self.pending = self._draft_ahead(np.ones(self.batch, bool))
         mx.eval(self.tokens, self.pending)
         first = self.tokens.tolist()
         self._enter(range(self.batch), tags, prompts, settings, first, fresh=False, max_new_tokens=max_new_tokens,
-                    stop_tokens=stop_tokens, top_log_probs=None, keep_cache=False)
+                    stop_tokens=stop_tokens, top_log_probs=None, keep_cache=False, matchers=matchers)
         return self._prefilled(range(self.batch), first, None)
 
     def insert(self, prompts: list, *, tags: Sequence[Hashable] | None = None, sampling=GREEDY,
                seeds: Sequence[int] = (), prefix: Cache | None = None, top_log_probs: int | None = None,
-               max_new_tokens: int | None = None, stop_tokens: Sequence[int] = (), keep_cache: bool = False) -> Step:
+               max_new_tokens: int | None = None, stop_tokens: Sequence[int] = (), keep_cache: bool = False,
+               constraints=None) -> Step:
         """New sequences between rounds, in free rows the decoder picks
         (prefilled together; a prompt is a token list or an ``ImagePrompt``,
         a prompt with images), tagged ``tags`` (default: handed out), each
@@ -209,26 +234,47 @@ class Decoder:
         ``prefix``: see ``prefilling.insert``. With ``top_log_probs``
         (0..20) these sequences' tokens are scored (``Step.log_probs``); with
         ``keep_cache`` each gives its cache back when it ends
-        (``Ended.cache``)."""
+        (``Ended.cache``). ``constraints``: a compiled ``Grammar`` every new
+        sequence's output must match, or one ``Grammar`` or None per
+        sequence (default: none); each sequence takes its own matcher, and
+        the grammar's end-of-sequence tokens join its stop tokens."""
         rows = [row for row, entry in enumerate(self.rows) if entry is None][: len(prompts)]
         if len(rows) < len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(rows)} free row(s) in the batch of {self.batch}: "
                              f"resize the batch first")
         tags = self._new_tags(tags, len(prompts))
+        matchers = self._matchers(constraints, len(prompts))
         settings = [sampling] * len(rows) if isinstance(sampling, Sampling) else list(sampling)
         self.cache, tokens, *scored = insert(
             self.params, self.cache, rows, prompts, sampling=settings, seeds=seeds, prefix=prefix, grow=self.growing,
-            top_log_probs=None if top_log_probs is None else TOP_LOG_PROBS,
+            top_log_probs=None if top_log_probs is None else TOP_LOG_PROBS, masks=self._first_masks(matchers),
         )
         self.tokens[mx.array(rows)] = tokens
         first = tokens.tolist()
         self._enter(rows, tags, prompts, settings, first, fresh=True, max_new_tokens=max_new_tokens,
-                    stop_tokens=stop_tokens, top_log_probs=top_log_probs, keep_cache=keep_cache)
+                    stop_tokens=stop_tokens, top_log_probs=top_log_probs, keep_cache=keep_cache, matchers=matchers)
         scores = None
         if top_log_probs is not None:
             one = TokenLogProbs(*(a[:, None] for a in scored[0]))  # one position a row
             scores = token_scores(one, list(range(len(rows))), [1] * len(rows), [top_log_probs] * len(rows))
         return self._prefilled(rows, first, scores)
+
+    def _matchers(self, constraints, count: int) -> list:
+        """A fresh matcher (or None) for each of ``count`` new sequences."""
+        grammars = [constraints] * count if constraints is None or isinstance(constraints, Grammar) else list(constraints)
+        if len(grammars) != count or not all(g is None or isinstance(g, Grammar) for g in grammars):
+            raise ValueError(f"constraints for {count} sequences: one compiled Grammar (constraints.compile_constraint) "
+                             f"or None, or one of either per sequence")
+        size = self.params.spec.target.vocab_size
+        for grammar in grammars:
+            if grammar is not None and grammar.vocabulary.size != size:
+                raise ValueError(f"a grammar compiled for a vocabulary of {grammar.vocabulary.size} tokens constrains "
+                                 f"a model of {size}: compile it with Vocabulary(tokenizer, {size})")
+        return [None if grammar is None else grammar.matcher() for grammar in grammars]
+
+    def _first_masks(self, matchers: list) -> np.ndarray | None:
+        """Bits of the first tokens new sequences may take (None when none of them has a constraint)."""
+        return next_masks(matchers, self.params.spec.target.vocab_size) if any(matchers) else None
 
     def _new_tags(self, tags, count: int) -> list:
         tags = [next(self._tags) for _ in range(count)] if tags is None else list(tags)
@@ -238,11 +284,13 @@ class Decoder:
         return tags
 
     def _enter(self, rows: Sequence[int], tags: list, prompts: list, settings: list, first: list, *, fresh: bool,
-               max_new_tokens: int | None, stop_tokens, top_log_probs: int | None, keep_cache: bool) -> None:
-        for row, tag, prompt, setting, token in zip(rows, tags, prompts, settings, first):
+               max_new_tokens: int | None, stop_tokens, top_log_probs: int | None, keep_cache: bool,
+               matchers: list) -> None:
+        for row, tag, prompt, setting, token, matcher in zip(rows, tags, prompts, settings, first, matchers):
+            ends = frozenset() if matcher is None else frozenset(matcher.grammar.vocabulary.eos)
             self.rows[row] = Row(tag=tag, prompt=prompt_key(prompt), sampling=setting, committed=len(prompt),
-                                 budget=max_new_tokens, stop_tokens=frozenset(stop_tokens), scoring=top_log_probs,
-                                 keep_cache=keep_cache, fresh=fresh,
+                                 budget=max_new_tokens, stop_tokens=frozenset(stop_tokens) | ends,
+                                 scoring=top_log_probs, keep_cache=keep_cache, fresh=fresh, matcher=matcher,
                                  index=CopyIndex(prompt_ids(prompt) + [token]) if self.planner.copies else None)
         self._sampling = batch_sampling([row.sampling if row else GREEDY for row in self.rows], self.batch)
 
@@ -250,6 +298,7 @@ class Decoder:
         """The step of sequences that were just prefilled: each one's first token."""
         entered = [self.rows[row] for row in rows]
         emitted = [entry.cut([token]) for entry, token in zip(entered, first)]
+        self._look_ahead(entered)
         return Step(kind="prefill", tags=[entry.tag for entry in entered], emitted=emitted,
                     accepted=[0] * len(entered), drafted=[[] for _ in entered], width=0, sources=[""] * len(entered),
                     finished=[entry.finish for entry in entered], log_probs=scores, ended=self._end_finished(rows))
@@ -265,16 +314,18 @@ class Decoder:
         Host synchronisations: one, the evaluation, when the draft is the
         only source (the round's draft was made and evaluated with the
         previous verify) and in a round without a draft pass; two in a round
-        that drafts beside copies, which reads its fresh draft's
-        confidences to plan the width before it launches the verify."""
+        that drafts beside copies or forced tokens, which reads its fresh
+        draft's confidences (and its tokens, for the masks of rows under a
+        constraint) to plan the width before it launches the verify."""
         live = self.live
         if not live.any():
             raise ValueError("no sequence is generating: insert a prompt first")
         copies = self._copies()
         matches = np.array([copy.match for copy in copies])
-        sources, proposal = self._sources(matches, live)
+        forced = np.array([len(row.forced) if row is not None else 0 for row in self.rows])
+        sources, proposal = self._sources(matches, forced, live)
         confidences = None if proposal is None else _sigmoid(proposal.confidence_logits)
-        plan = self.planner.plan(confidences, matches, sources, live, self._fresh(live))
+        plan = self.planner.plan(confidences, matches, sources, live, self._fresh(live), forced)
         before = self._before()
         result = self._verify(plan, proposal, copies, live)
         self.pending = self._draft_ahead(live)
@@ -291,16 +342,25 @@ class Decoder:
         return [row.index.lookup(slots) if row is not None and row.index is not None else Copy([], 0)
                 for row in self.rows]
 
-    def _sources(self, matches: np.ndarray, live: np.ndarray) -> tuple[Sources, Proposal | None]:
+    def _sources(self, matches: np.ndarray, forced: np.ndarray, live: np.ndarray) -> tuple[Sources, Proposal | None]:
         """The round's sources and draft: chosen in the round before when the
-        draft is the only source (the pending draft), else now."""
+        draft is the only source (the pending draft), else now (a draft made
+        now gives each constrained row's first slot its grammar's mask)."""
         if self.planner.ahead:
-            return Sources(self.pending is not None, np.zeros(self.batch, bool)), self.pending
-        sources = self.planner.sources(matches, live)
-        return sources, self._draft() if sources.draft else None
+            none = np.zeros(self.batch, bool)
+            return Sources(self.pending is not None, none, none), self.pending
+        sources = self.planner.sources(matches, live, forced)
+        return sources, self._draft(self._matchers_now()) if sources.draft else None
 
-    def _draft(self) -> Proposal:
-        return propose(self.params, self.cache, self.tokens, self._sampling)
+    def _draft(self, matchers: list | None = None) -> Proposal:
+        """The draft pass, its first slot under each row's grammar when ``matchers`` are given."""
+        masks = draft_masks(matchers, self.params.spec.block_size, self.params.spec.target.vocab_size) \
+            if matchers is not None and any(matchers) else None
+        return propose(self.params, self.cache, self.tokens, self._sampling, masks)
+
+    def _matchers_now(self) -> list:
+        """Each row's matcher (None for free rows and rows without a constraint)."""
+        return [row.matcher if row is not None else None for row in self.rows]
 
     def _draft_ahead(self, live: np.ndarray) -> Proposal | None:
         """The coming round's draft, launched now to be evaluated with this
@@ -325,19 +385,37 @@ class Decoder:
         """Launch the planned verify (the cache and the anchors move on; nothing is evaluated)."""
         width = plan.width
         self._make_room(width, live)
+        drafted = proposal is not None and width > 1
         if width == 1:
             proposal = no_proposal(self.batch)
         elif proposal is None:
             proposal = undrafted(self.params, self.batch, self._sampling.mode)
-        copied = Copies(_copy_tokens(copies, width - 1), mx.array(plan.copying)) if plan.copying.any() else None
+        points = plan.copying | plan.forcing  # rows verifying a point mass: a copy, or their forced tokens
+        point_tokens = _copy_tokens([row.forced if plan.forcing[b] else copy.tokens
+                                     for b, (row, copy) in enumerate(zip(self.rows, copies))], width - 1)
+        copied = Copies(mx.array(point_tokens), mx.array(points)) if points.any() else None
         scoring = any(row.scoring is not None for row in self.rows if row is not None)
         self.cache, result = verify(
             self.params, self.cache, self.tokens, proposal, width, sampling=self._sampling,
             limit=mx.array(plan.limits), active=mx.array(live), copies=copied,
             top_log_probs=TOP_LOG_PROBS if scoring else None, check_room=False,
+            masks=self._verify_masks(plan, proposal if drafted else None, point_tokens),
         )
         self.tokens = result.next_tokens
         return result
+
+    def _verify_masks(self, plan: Plan, proposal: Proposal | None, point_tokens: np.ndarray) -> np.ndarray | None:
+        """The verify's bits for rows under a constraint, along the proposal
+        each verifies (its point mass, or the draft's tokens, already on the
+        host), up to its limit; None when no row has a constraint."""
+        matchers = self._matchers_now()
+        if not any(matchers):
+            return None
+        proposed = point_tokens
+        if proposal is not None:
+            drafts = np.array(proposal.tokens[:, : plan.width - 1])
+            proposed = np.where((plan.copying | plan.forcing)[:, None], point_tokens, drafts)
+        return verify_masks(matchers, proposed, self.params.spec.target.vocab_size, limits=plan.limits)
 
     def _make_room(self, width: int, live: np.ndarray) -> None:
         """Every live row gets ``width`` free slots (the cache grows; a fixed
@@ -371,6 +449,7 @@ class Decoder:
         entries = [self.rows[row] for row in rows]
         emitted = [entry.advance(committed[row], accepted[row], verified, source)
                    for entry, row, verified, source in zip(entries, rows, proposed, sources)]
+        self._look_ahead(entries)
         scores = None
         if result.scores is not None:
             scores = token_scores(result.scores, rows, [len(committed[row]) for row in rows],
@@ -379,6 +458,17 @@ class Decoder:
                     accepted=[accepted[row] for row in rows], drafted=proposed, width=plan.width, sources=sources,
                     finished=[entry.finish for entry in entries], log_probs=scores,
                     ended=self._end_finished(rows, before))
+
+    def _look_ahead(self, entries: list) -> None:
+        """For each going sequence under a constraint, the tokens its grammar
+        forces next (proposed when the planner proposes them), which finds a
+        dead end (its grammar admits no token: it ends now, "dead_end")."""
+        slots = self.planner.max_width - 1 if self.planner.copies else 0
+        for entry in entries:
+            if entry.matcher is not None and entry.finish is None:
+                entry.forced = entry.matcher.forced(max(slots, 1))[:slots]
+                if entry.matcher.dead_end:
+                    entry.finish = "dead_end"
 
     # ---- sequences out, and the batch between rounds
 
@@ -456,6 +546,7 @@ def generate(
     confidence_threshold: float = 0.0,
     costs: CostCurve | None = None,
     proposals: str = "auto",
+    constraint=None,
 ) -> Iterator[Event]:
     """DSpark generation for one prompt or a batch of prompts (a list of
     token lists; a prompt with images is an ``ImagePrompt``, from
@@ -474,7 +565,12 @@ def generate(
     of the target alone, row by row; sampled output is distributed as
     sampling the target alone. Sequences that finish stop emitting while
     the others go on. ``capacity`` fixes the cache size; by default the cache
-    grows in ``capacity_for`` buckets with the context.
+    grows in ``capacity_for`` buckets with the context. ``constraint``: a
+    compiled ``constraints.Grammar`` every output must match, or one
+    ``Grammar`` or None per prompt (``Decoder.insert``); a constrained
+    sequence ends at its grammar's end-of-sequence token ("stop") or where
+    its grammar admits no token ("dead_end"), and its greedy output equals
+    the target's greedy decoding under the same grammar.
     """
     rows = as_rows(prompt)
     if max_new_tokens < 1:
@@ -485,7 +581,8 @@ def generate(
     )
     if capacity is not None:
         _initial_capacity(rows, max_new_tokens, decoder.planner.max_width, capacity)
-    step = decoder.start(rows, sampling, tags=range(len(rows)), max_new_tokens=max_new_tokens, stop_tokens=stop_tokens)
+    step = decoder.start(rows, sampling, tags=range(len(rows)), max_new_tokens=max_new_tokens, stop_tokens=stop_tokens,
+                         constraints=constraint)
     yield from step.events()
     while decoder.busy:
         yield from decoder.step().events()

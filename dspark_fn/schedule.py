@@ -70,6 +70,21 @@ and its rates are measured on finished rounds: choosing it never looks at
 the round's own draws, and its slots enter Algorithm 1 with survival
 ``Π_{i<=k} α_i``, which depends on no token of the round. (A fixed width
 drafts every round, so it proposes copies only with ``proposals="copy"``.)
+
+A third source, for rows under a constraint: where the grammar admits one
+continuation only (keys, punctuation, the markers of a tool call), the
+driver reads those forced tokens from the row's matcher before the round
+(``forced [B]``: how many). They are point masses like copies, and the
+verify's masks make the constrained target certain of them, so they are
+accepted with probability 1 (``SlotRates`` measures them as the kind
+``FORCED``, which stays at 1 unless a mask is wrong). A forcing row's slots
+enter the plan with survival 1 up to its forced count and 0 after;
+``sources`` compares them with the row's copy and the draft as it compares
+copies, so a round in which every row that proposes is forced (or copies)
+runs no draft pass. Forced tokens are proposed wherever copies are (the
+sources are chosen at the start of the round, once the matchers have
+followed the previous round's tokens); like a copy, they are a function of
+the committed tokens alone.
 """
 
 from dataclasses import dataclass
@@ -141,24 +156,26 @@ def scheduled_length(survival: np.ndarray, costs: CostCurve, buckets: tuple) -> 
 ACCEPTANCE_EMA = 0.2
 PROBE_LIMIT = 16
 DRAFTED = 0  # the draft's row of ``SlotRates``; row n >= 1 holds copies that matched an ending of n tokens
+FORCED = LONGEST_MATCH + 1  # the row of tokens a grammar forces
 
 
 @dataclass
 class SlotRates:
     """Measured acceptance of each proposal slot, by kind of proposal: the
-    draft (row ``DRAFTED``) and copies by the length of the ending they
-    matched (row n; a longer match continues more often). ``alpha_k`` is
+    draft (row ``DRAFTED``), copies by the length of the ending they
+    matched (row n; a longer match continues more often) and forced tokens
+    (row ``FORCED``, after the longest match). ``alpha_k`` is
     the rate at which slot k was accepted when slots < k were: an average
     over the first observations, then an exponential moving average with
     weight ``ACCEPTANCE_EMA``."""
 
-    acceptance: np.ndarray  # [1 + longest match, G] alpha_k
-    observed: np.ndarray  # [1 + longest match, G] observations of slot k
+    acceptance: np.ndarray  # [2 + longest match, G] alpha_k
+    observed: np.ndarray  # [2 + longest match, G] observations of slot k
 
     @classmethod
     def start(cls, slots: int, longest_match: int = LONGEST_MATCH) -> "SlotRates":
         # Untried slots count as always accepted, so the first rounds propose and measure.
-        shape = (1 + longest_match, slots)
+        shape = (2 + longest_match, slots)
         return cls(np.ones(shape), np.zeros(shape))
 
     def learn(self, kind: int, slot: int, outcomes: np.ndarray) -> None:
@@ -180,6 +197,14 @@ class SlotRates:
             verified = limits > slot
             self.learn(DRAFTED, slot, np.where(verified, accepted > slot, confidences[:, slot])[reached])
 
+    def observe_verified(self, kind: int, accepted: np.ndarray, limits: np.ndarray) -> None:
+        """Rows that verified proposals of ``kind``: row r verified
+        ``limits[r]`` and kept ``accepted[r]``; slot k counts where it was
+        verified and every earlier slot accepted."""
+        for slot in range(int(limits.max(initial=0))):
+            reached = (accepted >= slot) & (limits > slot)
+            self.learn(kind, slot, (accepted > slot)[reached])
+
     def observe_copies(self, matches: list, copies: list, committed: list) -> None:
         """Score each row's copy (``matches[r]`` tokens matched, 0: none)
         against the tokens the row committed this round, whether the round
@@ -200,36 +225,67 @@ class SlotRates:
         for (match, slot), kept in outcomes.items():
             self.learn(match, slot, np.array(kept))
 
-    def gains(self, kinds: np.ndarray, slots: int) -> np.ndarray:
+    def gains(self, kinds: np.ndarray, slots: int, lengths: np.ndarray | None = None) -> np.ndarray:
         """``[R, slots + 1]``: expected accepted proposals of each row's kind
-        when it verifies its first ``l`` slots (column l)."""
+        when it verifies its first ``l`` slots (column l); a row has only its
+        first ``lengths[r]`` proposals when given."""
         survival = np.cumprod(self.acceptance[np.asarray(kinds, int), :slots], axis=1)
+        if lengths is not None:
+            survival = survival * (np.arange(slots) < np.asarray(lengths)[:, None])
         return np.concatenate([np.zeros((len(survival), 1)), np.cumsum(survival, axis=1)], axis=1)
+
+
+class PointMasses(NamedTuple):
+    """Each row's best point-mass proposal (a copy or its forced tokens) at every slot level."""
+
+    gains: np.ndarray  # [B, slots + 1] expected accepted proposals of the better of the two
+    forced_better: np.ndarray  # [B, slots + 1] where its forced tokens are the better (else its copy)
+    available: np.ndarray  # [B] rows that have a copy or forced tokens
+
+    @classmethod
+    def rated(cls, rates: SlotRates, matches: np.ndarray, forced: np.ndarray, slots: int) -> "PointMasses":
+        copy = rates.gains(matches, slots) * (matches > 0)[:, None]
+        force = rates.gains(np.full(len(forced), FORCED), slots, forced)
+        return cls(np.maximum(copy, force), (force >= copy) & (forced > 0)[:, None], (matches > 0) | (forced > 0))
+
+    def split(self, taking: np.ndarray, level: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(copying, forcing)``: the ``taking`` rows by the better of their two at ``level``."""
+        forcing = taking & self.available & self.forced_better[:, level]
+        return taking & self.available & ~forcing, forcing
 
 
 class SourceSpeeds(NamedTuple):
     """Tokens per second predicted for the coming round with and without the
-    draft pass, and the rows that would verify their copy if it drafts."""
+    draft pass, and the rows that would verify their copy or forced tokens,
+    with the draft pass and without it."""
 
     drafting: float
     without: float
-    copying: np.ndarray  # [B]
+    copying: np.ndarray  # [B] with the draft pass
+    forcing: np.ndarray  # [B] with the draft pass
+    copying_without: np.ndarray  # [B] without it
+    forcing_without: np.ndarray  # [B] without it
 
 
 def source_speeds(rates: SlotRates, matches: np.ndarray, active: np.ndarray, costs: CostCurve,
-                  buckets: tuple, slots: int) -> SourceSpeeds:
-    """Without the draft pass every row that has a copy may verify it; with
-    it each row takes the better of its copy and the draft. Both are rated
-    at every slot level ``l`` (one verify width for the batch) as
+                  buckets: tuple, slots: int, forced: np.ndarray | None = None) -> SourceSpeeds:
+    """Without the draft pass every row that has a point-mass proposal (a
+    copy, or ``forced[r]`` tokens its grammar forces) may verify it; with it
+    each row takes the best of those and the draft. Both are rated at every
+    slot level ``l`` (one verify width for the batch) as
     ``sum_r (1 + gain_r(l)) / cost(l)``, from the measured rates alone."""
-    copy = rates.gains(matches, slots) * (matches > 0)[:, None]
+    forced = np.zeros(len(matches), int) if forced is None else forced
+    point = PointMasses.rated(rates, matches, forced, slots)
     draft = rates.gains([DRAFTED], slots)[0]
     verify = np.array([costs.verify[bucket_for(level + 1, buckets)] for level in range(slots + 1)])
     rows = int(active.sum())
-    without = (rows + copy[active].sum(axis=0)) / verify
-    drafting = (rows + np.maximum(copy[active], draft).sum(axis=0)) / (costs.draft + verify)
+    without = (rows + point.gains[active].sum(axis=0)) / verify
+    drafting = (rows + np.maximum(point.gains[active], draft).sum(axis=0)) / (costs.draft + verify)
     level = 1 + int(np.argmax(drafting[1:]))
-    return SourceSpeeds(float(drafting[level]), float(without.max()), (matches > 0) & (copy[:, level] >= draft[level]))
+    copying, forcing = point.split(point.gains[:, level] >= draft[level], level)
+    copying_without, forcing_without = point.split(point.available, int(np.argmax(without)))
+    return SourceSpeeds(float(drafting[level]), float(without.max()), copying, forcing, copying_without,
+                        forcing_without)
 
 
 
@@ -241,6 +297,7 @@ class Sources(NamedTuple):
 
     draft: bool  # the round runs the draft pass
     copying: np.ndarray  # [B] rows that verify their copy instead of the draft
+    forcing: np.ndarray  # [B] rows that verify the tokens their grammar forces
 
 
 class Plan(NamedTuple):
@@ -250,12 +307,15 @@ class Plan(NamedTuple):
     limits: np.ndarray  # [B] int32: the proposals a row may keep (0: none, a plain target step)
     drafting: np.ndarray  # [B] rows verifying the draft
     copying: np.ndarray  # [B] rows verifying their copy
+    forcing: np.ndarray  # [B] rows verifying their forced tokens
     confidences: np.ndarray | None  # [B, G] per slot, the chance planned with: the draft's confidence, or
-    #                                 a copy's measured acceptance; None when nothing was proposed
+    #                                 a copy's or forced token's measured acceptance; None when nothing was proposed
 
     def source(self, row: int) -> str:
-        """What row ``row`` verified: "draft", "copy" or "" (nothing: a plain target step)."""
-        return "" if not self.limits[row] else "copy" if self.copying[row] else "draft"
+        """What row ``row`` verified: "draft", "copy", "forced" or "" (nothing: a plain target step)."""
+        if not self.limits[row]:
+            return ""
+        return "copy" if self.copying[row] else "forced" if self.forcing[row] else "draft"
 
 
 CostSource = Callable[[int, tuple], CostCurve]  # (batch size, verify widths) -> the measured cost curve
@@ -275,15 +335,16 @@ class Planner:
     State: the measured rates (``SlotRates``), the probe schedule and the
     cost curve of each batch size the batch has had (``resize``).
 
-    A round asks ``sources`` (whether it drafts, which rows verify a copy),
-    then ``plan`` (the width and each row's limit, from the draft's
-    confidences and the copies' rates), and once its tokens are known
-    ``learn``. With the draft as the only source (``ahead``) a round's
-    sources are chosen during the round before, so its draft is evaluated
-    with that round's verify; with copies they are chosen once the previous
-    round's tokens are known, since the copies are made from them. Another
-    source of point-mass proposals (a copy is one) enters as another kind of
-    ``SlotRates`` and another mask beside ``copying``.
+    A round asks ``sources`` (whether it drafts, which rows verify a copy
+    or their forced tokens), then ``plan`` (the width and each row's limit,
+    from the draft's confidences and the point masses' rates), and once its
+    tokens are known ``learn``. With the draft as the only source
+    (``ahead``) a round's sources are chosen during the round before, so its
+    draft is evaluated with that round's verify; with copies and forced
+    tokens (``copies``) they are chosen once the previous round's tokens are
+    known, since those are made from them. Another source of point-mass
+    proposals enters as forced tokens did: another kind of ``SlotRates`` and
+    another mask beside ``copying`` and ``forcing``.
     """
 
     def __init__(self, block_size: int, *, width="auto", proposals: str = "auto", threshold: float = 0.0,
@@ -332,23 +393,26 @@ class Planner:
         self.rates = SlotRates.start(self.max_width - 1)
         self.plain_rounds, self.probe_interval = 0, 1
 
-    def sources(self, matches: np.ndarray, live: np.ndarray) -> Sources:
+    def sources(self, matches: np.ndarray, live: np.ndarray, forced: np.ndarray | None = None) -> Sources:
         """Whether the coming round drafts, and the rows that verify their
         copy (``matches [B]``: the length of the ending each row's copy
-        matched, 0 without one). Reads finished rounds and the committed
-        tokens only, never the round it decides."""
-        matched = (matches > 0) & live
+        matched, 0 without one) or the tokens their grammar forces
+        (``forced [B]``: how many, 0 for none or no grammar). Reads finished
+        rounds and the committed tokens only, never the round it decides."""
+        forced = np.zeros(len(live), int) if forced is None or not self.copies else np.asarray(forced)
+        none = np.zeros_like(live)
         if self.max_width == 1:
-            return Sources(False, np.zeros_like(live))
+            return Sources(False, none, none)
         if self.proposals == "copy":
-            return Sources(False, matched)
+            point = PointMasses.rated(self.rates, matches, forced, self.max_width - 1)
+            return Sources(False, *point.split(live, self.max_width - 1))
         if not self.auto:  # a fixed width drafts every round
-            return Sources(True, np.zeros_like(live))
-        speeds = source_speeds(self.rates, matches, live, self.costs, self.buckets, self.max_width - 1)
+            return Sources(True, none, none)
+        speeds = source_speeds(self.rates, matches, live, self.costs, self.buckets, self.max_width - 1, forced)
         if not self._draft_pays(speeds.drafting, speeds.without):
-            return Sources(False, matched)
-        copying = speeds.copying & live
-        return Sources(bool((live & ~copying).any()), copying)
+            return Sources(False, speeds.copying_without & live, speeds.forcing_without & live)
+        copying, forcing = speeds.copying & live, speeds.forcing & live
+        return Sources(bool((live & ~copying & ~forcing).any()), copying, forcing)
 
     def _draft_pays(self, drafting: float, without: float) -> bool:
         """Draft when that is predicted faster; otherwise probe after 1, 2,
@@ -364,38 +428,49 @@ class Planner:
         return False
 
     def plan(self, draft_confidences: np.ndarray | None, matches: np.ndarray, sources: Sources, live: np.ndarray,
-             fresh: np.ndarray) -> Plan:
+             fresh: np.ndarray, forced: np.ndarray | None = None) -> Plan:
         """The round's width and limits. ``draft_confidences [B, G]``: the
         sigmoid of the draft's confidence logits, None without a draft; ``fresh
         [B]``: live rows the draft does not cover (they joined after it was
-        made). A copying row's slots are rated by its match length; the
-        threshold cuts drafts only; Algorithm 1 ("auto") reads the live rows."""
-        copying = sources.copying
-        drafting = live & ~copying & ~fresh if draft_confidences is not None else np.zeros_like(live)
-        proposing = drafting | copying
+        made); ``forced [B]``: the forced tokens each row has. A copying
+        row's slots are rated by its match length, a forcing row's by the
+        forced tokens' rate up to its count (and 0 past it); the threshold
+        cuts drafts only; Algorithm 1 ("auto") reads the live rows."""
+        copying, forcing = sources.copying, sources.forcing
+        drafting = live & ~copying & ~forcing & ~fresh if draft_confidences is not None else np.zeros_like(live)
+        proposing = drafting | copying | forcing
         if not proposing.any():
-            return Plan(1, np.zeros(len(live), np.int32), drafting, copying, None)
+            return Plan(1, np.zeros(len(live), np.int32), drafting, copying, forcing, None)
+        slots = self.max_width - 1
         confidences = np.zeros((len(live), self.block_size)) if draft_confidences is None else draft_confidences.copy()
         for row in np.flatnonzero(copying):
-            confidences[row, : self.max_width - 1] = self.rates.acceptance[matches[row]]
-        limits = np.where(proposing, self.max_width - 1, 0)
+            confidences[row, :slots] = self.rates.acceptance[matches[row]]
+        limits = np.where(proposing, slots, 0)
+        for row in np.flatnonzero(forcing):
+            limits[row] = min(slots, int(forced[row]))
+            confidences[row] = 0.0
+            confidences[row, : limits[row]] = self.rates.acceptance[FORCED, : limits[row]]
         if self.threshold > 0:
-            limits = np.where(copying, limits, np.minimum(limits, threshold_lengths(confidences, self.threshold)))
+            limits = np.where(drafting, np.minimum(limits, threshold_lengths(confidences, self.threshold)), limits)
         if self.auto:
             allowed = np.arange(confidences.shape[1])[None, :] < limits[:, None]
             survival = np.cumprod(confidences, axis=1) * allowed
             limits = np.minimum(limits, scheduled_length(survival[live][:, : self.max_width - 1], self.costs,
                                                          self.buckets))
         widest = int(limits[live].max())
-        return Plan(bucket_for(widest + 1, self.buckets), limits.astype(np.int32), drafting, copying, confidences)
+        return Plan(bucket_for(widest + 1, self.buckets), limits.astype(np.int32), drafting, copying, forcing,
+                    confidences)
 
     def learn(self, plan: Plan, accepted: np.ndarray, copies: list, committed: list) -> None:
         """A finished round: the draft's rates from the rows that verified it
         (``accepted [B]``), and every row's copy (``copies[b]``, a
         ``copying.Copy``) scored against the tokens it committed
-        (``committed[b]``), whether the round verified that copy or not."""
+        (``committed[b]``), whether the round verified that copy or not;
+        the forced tokens' rate from the rows that verified theirs."""
         if plan.drafting.any():
             rows = plan.drafting
             self.rates.observe_drafts(accepted[rows], plan.limits[rows], plan.confidences[rows])
+        if plan.forcing.any():
+            self.rates.observe_verified(FORCED, accepted[plan.forcing], plan.limits[plan.forcing])
         if self.copies:
             self.rates.observe_copies([copy.match for copy in copies], [copy.tokens for copy in copies], committed)

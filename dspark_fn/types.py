@@ -198,8 +198,9 @@ class Event(NamedTuple):
     drafted: list  # the proposals it verified
     tag: Hashable = None  # the sequence's tag (given to ``Decoder.insert``; ``generate``: the prompt's index)
     width: int = 0  # verify width of the round (shared by the batch; 0 for a prefill)
-    source: str = ""  # what it verified: "draft", "copy", or "" (nothing: a plain target step)
-    finish: str | None = None  # "stop" (its stop token) or "length" (its budget) when the sequence ended here
+    source: str = ""  # what it verified: "draft", "copy", "forced" or "" (nothing: a plain target step)
+    finish: str | None = None  # "stop" (its stop token), "length" (its budget) or "dead_end" (its grammar
+    #                            admits no token) when the sequence ended here
     log_probs: list | None = None  # a TokenScore per emitted token, when the sequence asked
 
 
@@ -209,7 +210,7 @@ class Ended(NamedTuple):
     tag: Hashable
     prompt: list  # its ids (an image prompt's image tokens paired with their image's hash: ``prompt_key``)
     tokens: list  # every token it emitted (cut at its stop token and budget)
-    finish: str  # "stop", "length" or "cancelled" (``Decoder.release``)
+    finish: str  # "stop", "length", "dead_end" (its grammar admits no token) or "cancelled" (``Decoder.release``)
     tally: "Tally"  # its rounds' acceptance
     cache: "Cache | None"  # one row holding the first ``cache.length`` tokens of ``context`` (asked with
     #                      ``keep_cache``; a recurrent state holds exactly those), else None
@@ -231,8 +232,8 @@ class Step(NamedTuple):
     accepted: list
     drafted: list  # per sequence: the proposals it verified
     width: int
-    sources: list  # per sequence: "draft", "copy" or "" (see ``Event.source``)
-    finished: list  # per sequence: "stop", "length" or None (it goes on)
+    sources: list  # per sequence: "draft", "copy", "forced" or "" (see ``Event.source``)
+    finished: list  # per sequence: "stop", "length", "dead_end" or None (it goes on)
     log_probs: list | None = None  # per sequence: a TokenScore per emitted token, or None (not asked)
     ended: list = []  # an ``Ended`` per sequence that ended in this step (its row is free again)
 

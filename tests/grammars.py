@@ -6,13 +6,17 @@ as a logits processor (the engine driven directly, not through
 """
 
 import json
+import re
 
+import jsonschema
 import llguidance
 import llguidance.numpy
 import mlx.core as mx
 import numpy as np
 
+import dspark_fn
 from dspark_fn.constraints import GRAMMARS, Constraint, Vocabulary
+from helpers import build_draft, build_target, draft_config, target_config
 
 EOS = 0
 
@@ -112,6 +116,14 @@ def vocabulary(pieces: list[str], size: int) -> Vocabulary:
     return Vocabulary(PieceTokenizer(pieces), size)
 
 
+def constrained_pair(root, block_size: int):
+    """``(mlx-lm model, Params)``: a tiny random target over ``JSON_VOCAB`` tokens and a one-layer draft."""
+    config = target_config("qwen3", vocab=JSON_VOCAB, hidden=32, layers=3, heads=2, kv_heads=1, head_dim=16)
+    model = build_target(root / "target", config, seed=3)
+    build_draft(root / "draft", draft_config(config, layers=1, taps=(0, 1), block_size=block_size), seed=4)
+    return model, dspark_fn.load(root / "target", root / "draft")
+
+
 class EngineMask:
     """llguidance driven directly: the allowed tokens after a sequence, as bools ``[V]``."""
 
@@ -178,3 +190,16 @@ def mlx_lm_constrained_greedy(model, prompt: list, constraint: Constraint, vocab
         if out[-1] == EOS:
             break
     return out
+
+
+def check_valid(name: str, stream: list) -> None:
+    """``stream`` (ids of ``JSON_PIECES``) ends with the end of sequence and its text satisfies ``CONSTRAINTS[name]``."""
+    assert stream[-1] == EOS, f"{name}: no end of sequence"
+    text = PieceTokenizer(JSON_PIECES).text(stream)
+    if name == "nested object":
+        jsonschema.validate(json.loads(text), NESTED_SCHEMA)
+    elif name == "regex":
+        assert re.fullmatch(EMAIL, text), text
+    else:
+        assert text.startswith("<tool_call>") and text.endswith("</tool_call>"), text
+        jsonschema.validate(json.loads(text[len("<tool_call>"): -len("</tool_call>")]), TOOL_SCHEMA)

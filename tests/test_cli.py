@@ -1,15 +1,17 @@
 """The ``dspark generate`` contract other tools rely on."""
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 
 
-def dspark(*args, check=True):
+def dspark(*args, check=True, env=None):
     result = subprocess.run(
-        [sys.executable, "-m", "dspark_fn.cli", *map(str, args)], capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "dspark_fn.cli", *map(str, args)], capture_output=True, text=True, timeout=300,
+        env=None if env is None else dict(os.environ, **env),
     )
     if check:
         assert result.returncode == 0, result.stderr
@@ -75,3 +77,34 @@ def test_the_old_spellings_still_parse():
                   (("--verify", "4"), ("--width", "4"), ("--verify", "auto"))]
         assert widths == [4, 4, "auto"], command
     assert parser.parse_args(["generate", "x"]).width == "auto"
+
+
+SCHEMA = {"type": "object", "properties": {"unit": {"enum": ["celsius", "kelvin"]},
+                                           "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+          "required": ["unit", "n"], "additionalProperties": False}
+
+
+def test_generate_holds_the_output_to_a_json_schema(tmp_path):
+    """``--json-schema``: the reply parses and validates, and ``--compare``
+    finds it token-identical to mlx-lm's greedy decoding of the target with
+    the same grammar's mask; a schema that cannot be enforced is refused by
+    name before anything runs."""
+    import jsonschema
+
+    from dspark_fn.checkpoints import load_tokenizer
+    from published import qwen3_pair
+
+    qwen3_pair(tied=True, taps=[1, 2, 3, 4, 5])(tmp_path / "target", tmp_path / "draft")
+    (tmp_path / "schema.json").write_text(json.dumps(SCHEMA))
+    model = ["--model", tmp_path / "target", "--draft", tmp_path / "draft", "--dtype", "float32"]
+    result = dspark("generate", *model, "hello", "--json-schema", tmp_path / "schema.json", "--max-tokens", 60,
+                    "--compare", env={"DSPARK_FN_CACHE": str(tmp_path)})
+    jsonschema.validate(json.loads(result.stdout), SCHEMA)
+    assert "identical tokens" in result.stderr
+    report = json.loads(dspark("generate", *model, "hello", "--json-schema", tmp_path / "schema.json",
+                               "--max-tokens", 60, "--json", env={"DSPARK_FN_CACHE": str(tmp_path)}).stdout)
+    assert report["finish"] == "stop"
+    assert json.loads(load_tokenizer(tmp_path / "target").decode(report["tokens"][:-1])) == json.loads(result.stdout)
+    (tmp_path / "unique.json").write_text(json.dumps({"type": "array", "uniqueItems": True}))
+    refused = dspark("generate", *model, "hello", "--json-schema", tmp_path / "unique.json", check=False)
+    assert refused.returncode == 2 and "uniqueItems" in refused.stderr and "Traceback" not in refused.stderr

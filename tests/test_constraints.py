@@ -27,9 +27,7 @@ may propose anything without changing greedy output; the sampling harness
 import functools
 import importlib.util
 import json
-import re
 
-import jsonschema
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -43,10 +41,9 @@ from dspark_fn.kernel import TRACE_COUNTS
 from dspark_fn.drafts.vocab import reduced_checkpoint
 from dspark_fn.sampling import GREEDY, Sampling, allowed_tokens
 from dspark_fn.types import Copies
-from grammars import (CONSTRAINTS, EMAIL, EOS, JSON_PIECES, JSON_VOCAB, NESTED_SCHEMA, TOOL_SCHEMA, EngineMask,
-                      PieceTokenizer, mlx_lm_constrained_greedy, vocabulary)
-from helpers import (PROPOSALS, build_draft, build_target, draft_config, missing_prerequisite, mlx_lm_greedy,
-                     right_prefix, speculative_tokens, target_config)
+from grammars import (CONSTRAINTS, EOS, JSON_PIECES, JSON_VOCAB, EngineMask, PieceTokenizer, check_valid,
+                      constrained_pair, mlx_lm_constrained_greedy, vocabulary)
+from helpers import PROPOSALS, missing_prerequisite, mlx_lm_greedy, right_prefix, speculative_tokens
 
 BLOCK = 4
 WIDTH = BLOCK + 1
@@ -62,10 +59,7 @@ def root(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def pair(root):
-    config = target_config("qwen3", vocab=JSON_VOCAB, hidden=32, layers=3, heads=2, kv_heads=1, head_dim=16)
-    model = build_target(root / "target", config, seed=3)
-    build_draft(root / "draft", draft_config(config, layers=1, taps=(0, 1), block_size=BLOCK), seed=4)
-    return model, dspark_fn.load(root / "target", root / "draft")
+    return constrained_pair(root, BLOCK)
 
 
 @pytest.fixture(scope="module")
@@ -145,18 +139,6 @@ def run(params, grammars, names, prompts, truths=None, kind=None):
 
 def pad(tokens: list, length: int = WIDTH - 1) -> list:
     return tokens + [EOS] * (length - len(tokens))
-
-
-def check_valid(name, stream):
-    assert stream[-1] == EOS, f"{name}: no end of sequence within {BUDGET} tokens"
-    text = TEXT.text(stream)
-    if name == "nested object":
-        jsonschema.validate(json.loads(text), NESTED_SCHEMA)
-    elif name == "regex":
-        assert re.fullmatch(EMAIL, text), text
-    else:
-        assert text.startswith("<tool_call>") and text.endswith("</tool_call>"), text
-        jsonschema.validate(json.loads(text[len("<tool_call>"): -len("</tool_call>")]), TOOL_SCHEMA)
 
 
 @pytest.mark.parametrize("kind", [*sorted(PROPOSALS), "draft"])

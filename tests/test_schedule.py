@@ -14,6 +14,7 @@ from dspark_fn.costs import cached_costs, monotone
 from dspark_fn.copying import Copy
 from dspark_fn.schedule import (
     DRAFTED,
+    FORCED,
     CostCurve,
     Plan,
     Planner,
@@ -90,7 +91,7 @@ def test_threshold_cuts_at_the_first_low_confidence():
 def drafts(planner: Planner, confidences: np.ndarray, live: np.ndarray) -> Plan:
     """The plan of a round in which every live row verifies the draft."""
     none = np.zeros(len(live), bool)
-    return planner.plan(confidences, np.zeros(len(live), int), Sources(True, none), live, none)
+    return planner.plan(confidences, np.zeros(len(live), int), Sources(True, none, none), live, none)
 
 
 def test_plan_uses_active_rows_only():
@@ -224,7 +225,8 @@ NO_COPIES = np.zeros(4, int)
 def drafted_round(planner: Planner, accepted, limits, confidences) -> None:
     """``planner`` learns from a round in which every row verified the draft."""
     rows = len(accepted)
-    plan = Plan(BLOCK + 1, np.array(limits), np.ones(rows, bool), np.zeros(rows, bool), np.array(confidences))
+    none = np.zeros(rows, bool)
+    plan = Plan(BLOCK + 1, np.array(limits), np.ones(rows, bool), none, none, np.array(confidences))
     planner.learn(plan, np.array(accepted), [Copy([], 0)] * rows, [[] for _ in range(rows)])
 
 
@@ -268,13 +270,13 @@ def test_fixed_widths_draft_every_round_and_the_threshold_cuts_drafts_only():
     assert all(every.sources(NO_COPIES, ALL).draft for _ in range(5))
     confidences = np.array([[0.9, 0.4, 0.9, 0.9, 0.9], [0.9] * 5, [0.9] * 5, [0.1] * 5])
     fresh = np.array([False, False, True, False])  # joined after the draft: nothing to verify
-    plan = every.plan(confidences, NO_COPIES, Sources(True, np.zeros(4, bool)), ALL, fresh)
+    plan = every.plan(confidences, NO_COPIES, Sources(True, ~ALL, ~ALL), ALL, fresh)
     assert plan.width == 4 and plan.limits.tolist() == [1, 3, 0, 0]
     assert [plan.source(row) for row in range(4)] == ["draft", "draft", "", ""]
     plain = Planner(BLOCK, width=1, proposals="copy")
     nothing = plain.sources(np.array([2, 0, 1, 0]), ALL)
     assert not plain.copies and not nothing.draft and not nothing.copying.any()
-    assert plain.plan(None, NO_COPIES, Sources(False, np.zeros(4, bool)), ALL, ~ALL).width == 1
+    assert plain.plan(None, NO_COPIES, Sources(False, ~ALL, ~ALL), ALL, ~ALL).width == 1
     copies_only = Planner(BLOCK, width=None, proposals="copy", threshold=0.95)
     live = np.array([True, True, True, False])
     sources = copies_only.sources(np.array([2, 0, 1, 3]), live)
@@ -294,7 +296,7 @@ def test_the_planner_chooses_copies_where_they_beat_the_draft():
     matches = np.array([3, 0, 0, 3])
     drafts_tokens = [1, 2, 3, 4, 5]
     for _ in range(3):
-        plan = Plan(1, np.zeros(4, np.int32), ~ALL, ~ALL, None)  # a plain round: the copies were not verified
+        plan = Plan(1, np.zeros(4, np.int32), ~ALL, ~ALL, ~ALL, None)  # a plain round: the copies were not verified
         planner.learn(plan, np.zeros(4, int), [Copy(drafts_tokens, match) for match in matches],
                       [drafts_tokens[:2]] * 4)
     assert planner.rates.acceptance[3, :2].tolist() == [1.0, 1.0] and planner.rates.observed[3, 2] == 0
@@ -302,6 +304,31 @@ def test_the_planner_chooses_copies_where_they_beat_the_draft():
     assert sources.draft and sources.copying.tolist() == [True, False, False, True]
     alone = planner.sources(matches, np.array([True, False, False, True]))
     assert not alone.draft and alone.copying.tolist() == [True, False, False, True]
+
+
+def test_the_planner_verifies_forced_tokens_where_they_beat_the_draft():
+    """Forced tokens are certain: rows with some verify them (the draft
+    measured at 0.6 a slot), the others take the draft, and a round in which
+    every live row is forced runs no draft pass. They enter the plan with
+    survival 1 up to their count (the threshold does not cut them) and are
+    learned under ``FORCED``."""
+    planner = Planner(BLOCK, costs=COSTS, threshold=0.7)
+    planner.rates.acceptance[DRAFTED] = 0.6
+    forced = np.array([3, 0, 5, 0])
+    sources = planner.sources(NO_COPIES, ALL, forced)
+    assert sources.draft and sources.forcing.tolist() == [True, False, True, False] and not sources.copying.any()
+    alone = planner.sources(NO_COPIES, np.array([True, False, True, False]), forced)
+    assert not alone.draft and alone.forcing.tolist() == [True, False, True, False]
+    plan = planner.plan(np.full((4, BLOCK), 0.6), NO_COPIES, sources, ALL, ~ALL, forced)
+    # the drafts are cut by the threshold; Θ over levels 0..4: 4/1.2, 6/1.25, 8/1.3, 10/1.35, 11/1.55: level 3
+    assert plan.width == 4 and plan.limits.tolist() == [3, 0, 3, 0]
+    assert [plan.source(row) for row in range(4)] == ["forced", "", "forced", ""]
+    assert plan.confidences[0].tolist() == [1, 1, 1, 0, 0]
+    planner.learn(plan, np.array([3, 0, 3, 0]), [Copy([], 0)] * 4, [[] for _ in range(4)])
+    assert planner.rates.observed[FORCED].tolist() == [2, 2, 2, 0, 0]
+    assert (planner.rates.acceptance[FORCED] == 1).all()
+    never = Planner(BLOCK, width=BLOCK + 1, proposals="draft")  # the draft alone: forced tokens are not proposed
+    assert not never.sources(NO_COPIES, ALL, forced).forcing.any()
 
 
 def test_the_planner_keeps_its_measurements_across_batch_sizes_and_measures_each_once():

@@ -279,8 +279,8 @@ BAD = {
                                       "'top_logprobs' needs 'logprobs': true"),
     "too many top_logprobs": ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
                                "top_logprobs": 21}, 400, "'top_logprobs' must be <= 20"),
-    "json output": ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}, 400,
-                    "response_format 'json_object' is not supported"),
+    "xml output": ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "xml"}}, 400,
+                   "response_format 'xml' is not supported: its 'type' is one of text, json_object, json_schema"),
     "unknown role": ({"messages": [{"role": "wizard", "content": "hi"}]}, 400,
                      "unknown role 'wizard': a message's role is one of system, developer, user, assistant, tool"),
 }

@@ -200,8 +200,9 @@ def test_too_many_images_for_the_context(strict):
 
 def test_images_to_a_text_target_are_refused(release):
     class TextEngine:
-        max_context, failure, dead = 512, None, False
-        params = SimpleNamespace(vision=None, spec=SimpleNamespace(target=SimpleNamespace(model_type="qwen3")))
+        max_context, failure, dead, grammars = 512, None, False, None
+        params = SimpleNamespace(vision=None, spec=SimpleNamespace(target=SimpleNamespace(model_type="qwen3",
+                                                                                          vocab_size=1024)))
         decoder = SimpleNamespace(planner=SimpleNamespace(max_width=1))
 
         def stats(self):

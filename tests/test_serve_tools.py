@@ -23,8 +23,10 @@ import time
 import pytest
 import uvicorn
 
+from dspark_fn.chat import stop_tokens
 from dspark_fn.serve.app import create_app
 from dspark_fn.serve.engine import Update
+from dspark_fn.serve.structured import Grammars
 from published import write_tokenizer
 
 openai = pytest.importorskip("openai")
@@ -56,6 +58,8 @@ class ScriptedEngine:
 
     def __init__(self, tokenizer):
         self.tokenizer, self.replies, self.prompts = tokenizer, queue.Queue(), []
+        # what a constraint compiles against: the tokenizer's own vocabulary stands in for a model's
+        self.grammars = Grammars(tokenizer, max(tokenizer.get_vocab().values()) + 1, stop_tokens(tokenizer))
 
     def reply(self, text: str) -> None:
         self.replies.put(self.tokenizer.encode(text, add_special_tokens=False))
@@ -225,7 +229,7 @@ def test_a_streamed_response_sends_the_typed_events(served):
     ({"input": []}, "'input' must be a string or a non-empty list"),
     ({"input": [{"type": "image", "url": "x"}]}, "input items of type 'image' are not supported"),
     ({"input": "hi", "tools": [{"type": "web_search"}]}, "other tool types are not supported"),
-    ({"input": "hi", "text": {"format": {"type": "json_schema"}}}, "only plain text output is supported"),
+    ({"input": "hi", "text": {"format": {"type": "json_schema"}}}, "response_format json_schema needs"),
 ])
 def test_bad_responses_get_openai_errors(served, body, message):
     _, client = served

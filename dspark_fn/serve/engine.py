@@ -59,6 +59,7 @@ from mlx.utils import tree_flatten
 
 from ..buffers import capacity_for, init_cache, row_cache
 from ..cache import Cache
+from ..constraints import Constraint, Grammar
 from ..driver import TOP_LOG_PROBS, Decoder, token_scores
 from ..prefilling import score_prompt
 from ..sampling import GREEDY, Sampling
@@ -94,6 +95,8 @@ class Request:
     stop_tokens: frozenset = frozenset()
     top_log_probs: int | None = None  # score each token, with this many most likely alternatives
     score_prompt: bool = False  # score the prompt's tokens too (an Update "prompt" before the first tokens)
+    constraint: Constraint | None = None  # what its output must match
+    grammar: Grammar | None = None  # the constraint compiled (else the engine compiles it: ``Engine.grammars``)
     events: queue.Queue = field(default_factory=queue.Queue)
     acceptance: Tally = field(default_factory=Tally)  # the rounds delivered so far
     cached_tokens: int = 0  # prompt tokens reused from the prompt cache
@@ -122,7 +125,8 @@ class Request:
         return {"prompt": self.prompt, "max_tokens": self.max_tokens, "seed": self.seed,
                 "sampling": [sampling.temperature, sampling.top_k, sampling.top_p],
                 "stop_tokens": sorted(self.stop_tokens), "top_log_probs": self.top_log_probs,
-                "score_prompt": self.score_prompt}
+                "score_prompt": self.score_prompt,
+                "constraint": None if self.constraint is None else list(self.constraint)}
 
     @classmethod
     def from_settings(cls, settings: dict) -> "Request":
@@ -130,7 +134,8 @@ class Request:
         return cls(prompt=settings["prompt"], max_tokens=settings["max_tokens"],
                    sampling=Sampling(temperature=temperature, top_k=top_k, top_p=top_p), seed=settings["seed"],
                    stop_tokens=frozenset(settings["stop_tokens"]), top_log_probs=settings["top_log_probs"],
-                   score_prompt=settings["score_prompt"])
+                   score_prompt=settings["score_prompt"],
+                   constraint=None if settings["constraint"] is None else Constraint(*settings["constraint"]))
 
 
 class EngineFailure(RuntimeError):
@@ -234,8 +239,9 @@ class Engine:
 
     def __init__(self, params: Params, max_batch: int = 8, max_context: int = 4096,
                  prompt_cache_bytes: int = 1 << 30, group=None, max_queue: int = 64, queue_timeout: float = 600.0,
-                 **decoder_options):
+                 grammars=None, **decoder_options):
         self.params, self.max_context, self.max_batch = params, max_context, max_batch
+        self.grammars = grammars  # compiles requests' constraints (``structured.Grammars``), where none came compiled
         self.max_queue, self.queue_timeout = max_queue, queue_timeout
         self.refused = self.timed_out = 0  # requests refused with the queue full; ended for waiting too long
         self.group = group if group is not None and group.size() > 1 else None
@@ -448,7 +454,17 @@ class Engine:
                 [request.prompt], tags=[request.number], sampling=request.sampling, seeds=[request.seed],
                 prefix=prefix, top_log_probs=request.top_log_probs, max_new_tokens=request.max_tokens,
                 stop_tokens=request.stop_tokens, keep_cache=self.prompt_cache.budget > 0,
+                constraints=self._grammar(request),
             ))
+
+    def _grammar(self, request: Request) -> Grammar | None:
+        """The request's constraint compiled (on rank 0 it came compiled; another rank compiles it)."""
+        if request.grammar is None and request.constraint is not None:
+            if self.grammars is None:
+                raise ValueError("a constrained request reached an engine that compiles no constraints: start it "
+                                 "with grammars (serve.structured.Grammars)")
+            request.grammar = self.grammars.compile(request.constraint)
+        return request.grammar
 
     def _answer_rowless(self) -> None:
         """Answer waiting requests that need no row (``Request.rowless``), at

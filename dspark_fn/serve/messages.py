@@ -3,8 +3,9 @@
 A request becomes a chat completion: ``system`` a system message, each
 message's text blocks its text, ``tool_use`` blocks an assistant turn's
 tool calls and ``tool_result`` blocks tool messages; ``tools``
-(``input_schema``) and ``tool_choice`` (auto, any, tool, none) the chat
-tools; ``stop_sequences`` stop strings. The reply is a ``message`` (text
+(``input_schema``) and ``tool_choice`` (auto, any, tool, none: "any" and
+"tool" hold the reply to calls, one only with ``disable_parallel_tool_use``)
+the chat tools; ``stop_sequences`` stop strings. The reply is a ``message`` (text
 and ``tool_use`` blocks, ``stop_reason`` end_turn, max_tokens,
 stop_sequence or tool_use, ``usage`` with the tokens the prompt cache
 served as ``cache_read_input_tokens``), or, streamed, the typed events from
@@ -109,6 +110,7 @@ def chat_request(body) -> dict:
         chat["tools"] = tools
     if choice is not None:
         chat["tool_choice"] = choice
+        chat["parallel_tool_calls"] = not body["tool_choice"].get("disable_parallel_tool_use", False)
     return chat
 
 
@@ -120,7 +122,8 @@ def tool_use(call: dict) -> dict:
 
 
 def stop_reason(finish: str, stop: str | None) -> str:
-    return {"tool_calls": "tool_use", "length": "max_tokens"}.get(finish, "stop_sequence" if stop else "end_turn")
+    return {"tool_calls": "tool_use", "length": "max_tokens", "dead_end": "dead_end"}.get(
+        finish, "stop_sequence" if stop else "end_turn")
 
 
 def usage(chat_usage: dict) -> dict:

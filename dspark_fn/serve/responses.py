@@ -89,6 +89,24 @@ def chat_tools(tools) -> list | None:
                                               if key in t}} for t in tools]
 
 
+def chat_response_format(text) -> dict | None:
+    """``text.format`` as chat's ``response_format`` (its ``json_schema``
+    fields sit one level up here: ``{"type": "json_schema", "name",
+    "schema", "strict"}``)."""
+    if text is None:
+        return None
+    form = text.get("format") if isinstance(text, dict) else None
+    if form is None:
+        return None
+    if not isinstance(form, dict):
+        raise ApiError("'text.format' must be an object: {'type': 'text' | 'json_object' | 'json_schema', ...}",
+                       "text")
+    if form.get("type") == "json_schema":
+        return {"type": "json_schema", "json_schema": {key: form[key] for key in ("name", "schema", "strict")
+                                                       if key in form}}
+    return form
+
+
 def chat_tool_choice(choice):
     if isinstance(choice, dict) and choice.get("type") == "function" and "name" in choice:
         return {"type": "function", "function": {"name": choice["name"]}}
@@ -121,8 +139,6 @@ def chat_request(body, conversations: Conversations) -> tuple[dict, list]:
     """``(chat completion body, its messages)`` of a Responses body."""
     if not isinstance(body, dict):
         raise ApiError("the request body must be a JSON object")
-    if (body.get("text") or {}).get("format", {}).get("type", "text") != "text":
-        raise ApiError("only plain text output is supported ('text': {'format': {'type': 'text'}})", "text")
     messages = conversations.before(body.get("previous_response_id"))
     if body.get("instructions"):
         messages = [{"role": "system", "content": body["instructions"]}] + [m for m in messages if m["role"] != "system"]
@@ -130,7 +146,9 @@ def chat_request(body, conversations: Conversations) -> tuple[dict, list]:
     chat = {"messages": messages, "stream": bool(body.get("stream", False))}
     for name, value in (("model", body.get("model")), ("max_tokens", body.get("max_output_tokens")),
                         ("temperature", body.get("temperature")), ("top_p", body.get("top_p")),
-                        ("tools", chat_tools(body.get("tools"))), ("tool_choice", chat_tool_choice(body.get("tool_choice")))):
+                        ("tools", chat_tools(body.get("tools"))), ("tool_choice", chat_tool_choice(body.get("tool_choice"))),
+                        ("response_format", chat_response_format(body.get("text"))),
+                        ("parallel_tool_calls", body.get("parallel_tool_calls"))):
         if value is not None:
             chat[name] = value
     return chat, messages
@@ -163,8 +181,9 @@ def response_object(ident: str, body: dict, model: str, output: list, usage: dic
         "output": output, "usage": usage, "previous_response_id": body.get("previous_response_id"),
         "instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
         "temperature": body.get("temperature"), "top_p": body.get("top_p"), "tools": body.get("tools") or [],
-        "tool_choice": body.get("tool_choice") or "auto", "parallel_tool_calls": True, "error": None,
-        "incomplete_details": None, "text": {"format": {"type": "text"}},
+        "tool_choice": body.get("tool_choice") or "auto", "parallel_tool_calls": body.get("parallel_tool_calls", True),
+        "error": None,
+        "incomplete_details": None, "text": body.get("text") or {"format": {"type": "text"}},
     }
 
 

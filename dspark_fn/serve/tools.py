@@ -8,6 +8,15 @@ asking for ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` (the
 Hermes / Qwen convention), read by mlx-lm's ``json_tools`` parser; earlier
 calls and tool results then go into the conversation as text the same way.
 A call that its parser cannot read stays in the reply as text.
+
+``tool_choice`` "required" or a named function holds the reply to calls
+(``call_constraint``): the start marker, ``{"name": ..., "arguments":
+...}`` with the name one of the tools' and the arguments valid under its
+parameters schema, the end marker, written as the template writes a call
+(a marker that is one token by that token; what lies between a marker and
+the JSON, e.g. Qwen's newline, as the template puts it). That is the form
+mlx-lm's ``json_tools`` parser reads; a model whose parser reads another
+form gets a 400 for those choices.
 """
 
 import json
@@ -16,6 +25,7 @@ from dataclasses import dataclass
 
 from mlx_lm.tool_parsers import json_tools
 
+from ..constraints import Constraint
 from .errors import ApiError
 
 TOOL_PREAMBLE = (
@@ -30,10 +40,14 @@ class Tools:
     """The function tools a request offers the model, after ``tool_choice``."""
 
     functions: tuple  # OpenAI chat tool objects: {"type": "function", "function": {...}}
+    required: bool = False  # the reply must call one of them ("required", or the one named)
 
     @classmethod
     def from_body(cls, tools, choice) -> "Tools":
         if tools is None:
+            if choice not in (None, "auto", "none"):
+                raise ApiError(f"'tool_choice' {choice!r} asks for a call, and the request offers no 'tools'",
+                               "tool_choice")
             return cls(())
         if not isinstance(tools, list) or not all(
             isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("function"), dict)
@@ -42,7 +56,7 @@ class Tools:
             raise ApiError("'tools' must be a list of {'type': 'function', 'function': {'name': ..., ...}}", "tools")
         names = [t["function"]["name"] for t in tools]
         if choice is None or choice in ("auto", "required"):
-            return cls(tuple(tools))
+            return cls(tuple(tools), choice == "required")
         if choice == "none":
             return cls(())
         named = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
@@ -52,7 +66,7 @@ class Tools:
         if named not in names:
             raise ApiError(f"'tool_choice' names {named!r}, which is not among the tools ({', '.join(names)})",
                            "tool_choice")
-        return cls(tuple(t for t in tools if t["function"]["name"] == named))
+        return cls(tuple(t for t in tools if t["function"]["name"] == named), True)
 
 
 def template_takes_tools(tokenizer) -> bool:
@@ -64,6 +78,42 @@ def markers(tokenizer) -> tuple[str, str, object]:
     if template_takes_tools(tokenizer):
         return tokenizer.tool_call_start, tokenizer.tool_call_end, tokenizer.tool_parser
     return json_tools.tool_call_start, json_tools.tool_call_end, json_tools.parse_tool_call
+
+
+def marker_tokens(tokenizer, text: str) -> "str | list[int]":
+    """A marker as the grammar takes it: its token's id when one token spells it, else its text."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return ids if len(ids) == 1 else text
+
+
+def call_padding(tokenizer, start: str) -> str:
+    """What the chat template writes between a call's start marker and its
+    JSON (Qwen's templates: a newline), from a call it renders; nothing for
+    templates without tools (the form ``TOOL_PREAMBLE`` asks for)."""
+    if not template_takes_tools(tokenizer):
+        return ""
+    call = {"type": "function", "function": {"name": "f", "arguments": {}}}
+    turns = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+    try:
+        text = tokenizer.apply_chat_template(turns, tokenize=False)
+    except Exception:  # a template that cannot render a call: the JSON follows the marker
+        return ""
+    after = text[text.rfind(start) + len(start):] if start in text else ""
+    padding = after[: after.find("{")] if "{" in after else ""
+    return padding if padding.isspace() else ""
+
+
+def call_constraint(tokenizer, tools: Tools, parallel: bool = True) -> Constraint:
+    """The reply as one call of ``tools`` (or several, with ``parallel``) in the model's format."""
+    start, end, parse = markers(tokenizer)
+    if getattr(parse, "__module__", "").rsplit(".", 1)[-1] != "json_tools":
+        raise ApiError(f"this model writes tool calls in another form than JSON between markers (its parser: "
+                       f"{parse.__module__.rsplit('.', 1)[-1]}), so a call cannot be required of it: use "
+                       f"tool_choice 'auto'", "tool_choice")
+    functions = [{"name": t["function"]["name"], "parameters": t["function"].get("parameters")}
+                 for t in tools.functions]
+    return Constraint.tool_calls(functions, marker_tokens(tokenizer, start), marker_tokens(tokenizer, end),
+                                 call_padding(tokenizer, start), parallel)
 
 
 def as_text(call: dict) -> str:

@@ -6,11 +6,13 @@ takes."""
 from dataclasses import dataclass
 
 from ..chat import template_text, template_tokens
+from ..constraints import Constraint
 from ..driver import TOP_LOG_PROBS
 from ..sampling import Sampling
-from ..types import ImagePrompt
+from ..types import ImagePrompt, prompt_ids
 from ..vision import image_prompt, refusal
 from .errors import ApiError
+from .structured import Grammars, compiled, reply_constraint, response_constraint
 from .images import ImageSources
 from .tools import Tools, template_turns
 
@@ -33,6 +35,7 @@ class Job:
     top_log_probs: int | None = None  # log-probabilities asked: with this many most likely tokens each
     tools: Tools = Tools(())  # the function tools offered, after tool_choice
     echo: tuple = ()  # completions with echo: each prompt's text, sent before its completion
+    constraint: Constraint | None = None  # what every reply must match (compiled already: ``Grammars``)
 
     @property
     def scores_prompt(self) -> bool:
@@ -96,10 +99,12 @@ def images_in(turns: list) -> list:
 
 class Reader:
     """Reads request bodies against what the server holds: its tokenizer, its
-    model's name and the engine's context and verify width."""
+    model's name, the engine's context and verify width, and the grammars
+    constraints compile to."""
 
-    def __init__(self, engine, tokenizer, model_name: str, images: ImageSources = ImageSources()):
-        self.engine, self.tokenizer, self.model_name, self.images = engine, tokenizer, model_name, images
+    def __init__(self, engine, tokenizer, model_name: str, grammars: Grammars, images: ImageSources = ImageSources()):
+        self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        self.grammars, self.images = grammars, images
 
     def job(self, body, kind: str) -> Job:
         if not isinstance(body, dict):
@@ -129,11 +134,7 @@ class Reader:
             number(body, "top_k", 0, int, low=0),
             number(body, "top_p", 1.0, low=0, high=1, low_open=True),
         )
-        form = body.get("response_format")
-        if form is not None and (not isinstance(form, dict) or form.get("type") != "text"):
-            kind_asked = form.get("type") if isinstance(form, dict) else form
-            raise ApiError(f"response_format {kind_asked!r} is not supported: this server constrains no output to a "
-                           f"grammar or schema; only {{'type': 'text'}} is", "response_format")
+        constraint = self.constraint(body, kind, tools, prompt_ids(prompts[0][0]), echo)
         stop = body.get("stop") or ()
         stop = (stop,) if isinstance(stop, str) else stop
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 4:
@@ -148,7 +149,26 @@ class Reader:
         return Job(kind=kind, prompts=tuple(prompt for prompt, _ in prompts), max_tokens=max_tokens, sampling=sampling,
                    seed=seed, stop=tuple(stop), n=number(body, "n", 1, int, low=1, high=8),
                    stream=boolean(body, "stream"), include_usage=bool(options.get("include_usage", False)),
-                   top_log_probs=self.top_log_probs(body, kind), tools=tools, echo=texts)
+                   top_log_probs=self.top_log_probs(body, kind), tools=tools, echo=texts, constraint=constraint)
+
+    def constraint(self, body: dict, kind: str, tools: Tools, prompt: list, echo: bool) -> Constraint | None:
+        """What the replies must match (``structured``), compiled now: a bad
+        one is a 400 before any row is taken."""
+        if kind == "text":
+            held = response_constraint(body.get("response_format"))
+            field = "response_format"
+            if held is not None and echo:
+                raise ApiError("response_format cannot be combined with echo (the prompt is not held to it)",
+                               "response_format")
+        else:
+            parallel = body.get("parallel_tool_calls", True)
+            if not isinstance(parallel, bool):
+                raise ApiError(f"'parallel_tool_calls' must be true or false, got {parallel!r}", "parallel_tool_calls")
+            held, field = reply_constraint(body.get("response_format"), tools, parallel, self.tokenizer, prompt) \
+                or (None, None)
+        if held is not None:
+            compiled(self.grammars, held, field)
+        return held
 
     def top_log_probs(self, body: dict, kind: str) -> int | None:
         """Chat: ``logprobs`` (true/false) and ``top_logprobs`` (0-20); completions: ``logprobs`` (0-20)."""
