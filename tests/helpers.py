@@ -2,6 +2,10 @@
 
 import json
 import os
+import socket
+import threading
+import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import mlx.core as mx
@@ -335,3 +339,24 @@ class TargetRunner:
         )
         self.kv = settle(kv, mx.array([len(tokens) if kept is None else kept]))
         return np.array(self.adapter.logits(self.spec, self.params, hidden)[0])
+
+
+@contextmanager
+def running(app):
+    """An ASGI ``app`` served by uvicorn on a free local port, in a thread, for
+    the ``with`` block: its base URL."""
+    import uvicorn
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)

@@ -23,16 +23,13 @@ Breaks tried, and what caught them:
 
 import http.client
 import json
-import socket
-import threading
 import time
-from contextlib import contextmanager
 
 import pytest
-import uvicorn
 
 from dspark_fn.serve.app import create_app, system_fingerprint
 from dspark_fn.serve.engine import Update
+from helpers import running
 from test_serve_tools import CALL, WEATHER, ScriptedEngine
 
 openai = pytest.importorskip("openai")
@@ -51,23 +48,6 @@ class CachingEngine(ScriptedEngine):
     def submit(self, request):
         request.cached_tokens = min(self.cached, len(request.prompt))
         return super().submit(request)
-
-
-@contextmanager
-def running(app):
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
 
 
 @pytest.fixture(scope="module")

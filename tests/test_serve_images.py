@@ -27,9 +27,9 @@ from dspark_fn.serve.app import create_app
 from dspark_fn.serve.engine import Engine
 from dspark_fn.serve.images import ImageSources
 from dspark_fn.vision import image_prompt
+from helpers import running
 from multimodal import chat_text, synthetic_image, write_pair
 from test_images import png
-from test_serve_api import running
 
 openai = pytest.importorskip("openai")
 

@@ -23,14 +23,11 @@ equality test).
 """
 
 import json
-import socket
 import threading
-import time
 
 import jsonschema
 import numpy as np
 import pytest
-import uvicorn
 
 import dspark_fn
 from dspark_fn.chat import chat_tokens, stop_tokens, thinking_ahead
@@ -42,6 +39,7 @@ from dspark_fn.serve.app import create_app
 from dspark_fn.serve.engine import Engine
 from dspark_fn.serve.structured import Grammars, reply_constraint
 from dspark_fn.serve.tools import Tools
+from helpers import running
 from published import CHATML, qwen3_pair, write_tokenizer
 
 openai = pytest.importorskip("openai")
@@ -78,18 +76,8 @@ def library(tmp_path_factory):
 def served(library):
     params, tokenizer = library
     engine = Engine(params, max_batch=4, max_context=2048, costs=costs)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, tokenizer, "m"), host="127.0.0.1", port=port,
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    yield engine, f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(timeout=10)
+    with running(create_app(engine, tokenizer, "m")) as base:
+        yield engine, base
     engine.close()
 
 

@@ -16,17 +16,14 @@ Breaks tried, and what caught them:
 
 import json
 import queue
-import socket
-import threading
-import time
 
 import pytest
-import uvicorn
 
 from dspark_fn.chat import stop_tokens
 from dspark_fn.serve.app import create_app
 from dspark_fn.serve.engine import Update
 from dspark_fn.serve.structured import Grammars
+from helpers import running
 from published import write_tokenizer
 
 openai = pytest.importorskip("openai")
@@ -99,18 +96,8 @@ def served(request, tmp_path_factory):
         tokenizer = load_tokenizer(directory)
         assert tokenizer.has_tool_calling  # mlx-lm reads this template's calls with its json_tools parser
     engine = ScriptedEngine(tokenizer)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, tokenizer, "m"), host="127.0.0.1", port=port,
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    yield engine, openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
-    server.should_exit = True
-    thread.join(timeout=10)
+    with running(create_app(engine, tokenizer, "m")) as base:
+        yield engine, openai.OpenAI(base_url=f"{base}/v1", api_key="unused")
 
 
 def ask(client, messages, **options):
