@@ -10,14 +10,20 @@ schema.org Person / Event / Recipe / PostalAddress, package.json, a calendar
 entry, a shop product, a tool call, a Compose service), with bounded strings
 and arrays so that an answer ends within the token budget.
 
-First an untimed pass runs both engines on every prompt (compiling every
-width dspark meets) and measures, per prompt: the tokens; whether the two
-engines' tokens are identical (greedy under one mask must be); whether the
-answer parses and validates; the share of the answer's tokens the grammar
-forces (exactly one token allowed there); the share dspark emitted as
-accepted forced proposals; tau per proposal source (draft, copy, forced,
-none). Then ``REPEATS`` timed passes, the engines taking turns first, each
-compared again token for token; tokens/s is the median over the passes.
+Three engines: mlx-lm, dspark's default policy (draft, copies and forced
+tokens), and dspark with the draft as its only source (``proposals="draft"``:
+no copies, no forced tokens; its draft is made a round ahead, before the
+grammar has seen the anchor, so it drafts without a mask), which shows what
+the point-mass sources buy. First an untimed pass runs every engine on every
+prompt (compiling every width dspark meets) and measures, per prompt: the
+tokens; whether every engine's tokens are identical (greedy under one mask
+must be: a mismatch is printed with "!!! MISMATCH"); whether the answer
+parses and validates; the share of the answer's tokens the grammar forces
+(exactly one token allowed there); the share dspark emitted as accepted
+forced proposals; tau per proposal source (draft, copy, forced; "plain
+steps": rounds that verified nothing). Then ``REPEATS`` timed passes, the
+engines taking turns first, each compared again token for token; tokens/s
+is the median over the passes.
 
     python bench/structured.py                  # TOKENS=128 REPEATS=3
 """
@@ -26,6 +32,7 @@ import json
 import os
 import statistics
 import sys
+from functools import partial
 from pathlib import Path
 
 import dspark_fn  # noqa: F401  before mlx: OpenBLAS then serves MLX's matmuls (dspark_fn/blas.py)
@@ -39,8 +46,8 @@ from dspark_fn.stats import Tally
 from report import machine
 
 PROMPTS = Path(__file__).with_name("schema_prompts.jsonl")
-TOKENS = int(os.environ.get("TOKENS", 128))
-REPEATS = int(os.environ.get("REPEATS", 3))
+TOKENS = int(os.environ.get("TOKENS", "128"))
+REPEATS = int(os.environ.get("REPEATS", "3"))
 
 
 def grammar_forced_share(grammar: Grammar, tokens: list) -> float:
@@ -84,42 +91,46 @@ def load():
     return params, mlx_lm_model(config, params.target), tokenizer, stop, rows
 
 
+DSPARK = {"dspark": "auto", "dspark, draft only": "draft"}  # engine -> proposals (draft only: no copies, no forced)
+
+
 def main() -> None:
     params, model, tokenizer, stop, rows = load()
     load_before = os.getloadavg()
 
-    def both(row, order, tally=None):
-        """Both engines on one row, in ``order``: {engine: (tokens, seconds)}."""
-        runs = {
-            "mlx-lm": lambda: baseline_tokens(model, row["ids"], TOKENS, set(stop), grammar=row["grammar"]),
-            "dspark": lambda: dspark_tokens(params, row["ids"], TOKENS, stop, tally, constraint=row["grammar"]),
-        }
+    def engines(row, order, tallies=None):
+        """Every engine on one row, in ``order``: {engine: (tokens, seconds)}."""
+        runs = {"mlx-lm": lambda: baseline_tokens(model, row["ids"], TOKENS, set(stop), grammar=row["grammar"])}
+        for name, proposals in DSPARK.items():
+            runs[name] = partial(dspark_tokens, params, row["ids"], TOKENS, stop, tallies and tallies[name],
+                                 constraint=row["grammar"], proposals=proposals)
         return {name: timed(runs[name]) for name in order}
 
-    def compare(row, out) -> None:
-        expected, tokens = out["mlx-lm"][0], out["dspark"][0]
-        if tokens != expected:
-            row["identical"] = False
-            mismatch(row["name"], expected, tokens, tokenizer)
+    def compare(row, out, repeat) -> None:
+        expected = out["mlx-lm"][0] if repeat is None else row["tokens"]
+        for name, (tokens, _) in out.items():
+            if tokens != expected:
+                row["identical"] = False
+                print(f"!!! MISMATCH ({'untimed pass' if repeat is None else f'repeat {repeat + 1}'})",
+                      file=sys.stderr)
+                mismatch(f"{row['name']}, {name}", expected, tokens, tokenizer)
 
+    names = ["mlx-lm", *DSPARK]
     for row in rows:  # untimed: compiles every width met, and measures all but the speed
-        row["tally"], row["identical"], row["seconds"] = Tally(), True, {"mlx-lm": [], "dspark": []}
-        out = both(row, ("mlx-lm", "dspark"), row["tally"])
-        compare(row, out)
+        row["tallies"] = {name: Tally() for name in DSPARK}
+        row["identical"], row["seconds"] = True, {name: [] for name in names}
+        out = engines(row, names, row["tallies"])
+        compare(row, out, None)
         row["tokens"] = out["mlx-lm"][0]
         print(f"[untimed] {row['name']}: {len(row['tokens'])} tokens: {tokenizer.decode(row['tokens'])!r}",
               file=sys.stderr, flush=True)
     for repeat in range(REPEATS):
-        order = ("mlx-lm", "dspark") if repeat % 2 == 0 else ("dspark", "mlx-lm")
+        order = names[repeat % len(names):] + names[:repeat % len(names)]
         for row in rows:
-            out = both(row, order)
-            compare(row, out)
-            for name, (tokens, spent) in out.items():
+            out = engines(row, order)
+            compare(row, out, repeat)
+            for name, (_, spent) in out.items():
                 row["seconds"][name].append(spent)
-                if len(tokens) != len(row["tokens"]):
-                    row["identical"] = False
-                    print(f"!!! {row['name']!r}: {name} gave {len(tokens)} tokens in repeat {repeat + 1}, "
-                          f"{len(row['tokens'])} before", file=sys.stderr, flush=True)
         print(f"[repeat {repeat + 1}/{REPEATS} done]", file=sys.stderr, flush=True)
     report(rows, tokenizer, stop, load_before, os.getloadavg())
 
@@ -127,34 +138,47 @@ def main() -> None:
 def report(rows, tokenizer, stop, load_before, load_after) -> None:
     print(f"Embedded default (SmolLM2-135M-Instruct + bundled draft), {len(rows)} schema-constrained prompts "
           f"(bench/schema_prompts.jsonl), greedy, at most {TOKENS} new tokens, tokens/s the median of {REPEATS} "
-          f"timed passes ({machine()}; load average {load_before[0]:.1f} before, {load_after[0]:.1f} after)\n")
+          f"timed passes, the engines taking turns first ({machine()}; load average {load_before[0]:.1f} before, "
+          f"{load_after[0]:.1f} after)\n")
     print("| prompt | tokens | valid | forced by the grammar | emitted as forced proposals | "
-          "τ draft (rounds) | τ copy (rounds) | τ forced (rounds) | plain steps | τ all | "
-          "mlx-lm tok/s | dspark tok/s | ratio | identical |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    ratios, totals, overall = [], {"mlx-lm": [0.0] * REPEATS, "dspark": [0.0] * REPEATS}, Tally()
+          "τ draft (rounds) | τ copy (rounds) | τ forced (rounds) | plain steps | τ all | τ draft only | "
+          "mlx-lm tok/s | dspark tok/s | ratio | draft only tok/s | ratio | identical |")
+    print("|" + "---|" * 17)
+    ratios = {name: [] for name in DSPARK}
+    totals = {name: [0.0] * REPEATS for name in rows[0]["seconds"]}
+    overall = {name: Tally() for name in DSPARK}
     for row in rows:
-        tokens, tally = row["tokens"], row["tally"]
-        overall.absorb(tally)
+        tokens, tally = row["tokens"], row["tallies"]["dspark"]
+        for name in DSPARK:
+            overall[name].absorb(row["tallies"][name])
         text = tokenizer.decode([t for t in tokens if t not in stop])
         speed = {name: len(tokens) / statistics.median(spent) for name, spent in row["seconds"].items()}
         for name, spent in row["seconds"].items():
             totals[name] = [a + b for a, b in zip(totals[name], spent)]
-        ratios.append(speed["dspark"] / speed["mlx-lm"])
+        for name in DSPARK:
+            ratios[name].append(speed[name] / speed["mlx-lm"])
         row["forced_share"] = grammar_forced_share(row["grammar"], tokens)
         print(f"| {row['name']} | {len(tokens)} | {validates(text, row['schema'])} | {row['forced_share']:.0%} | "
-              f"{forced_proposals(tally):.0%} | {by_source(tally, 'draft')} | {by_source(tally, 'copy')} | "
-              f"{by_source(tally, 'forced')} | {tally.by_source.get('none', Tally()).rounds} | {tally.tau:.2f} | "
-              f"{speed['mlx-lm']:.1f} | {speed['dspark']:.1f} | {ratios[-1]:.2f} | "
-              f"{'yes' if row['identical'] else '**NO**'} |")
+              f"{columns(tally)} | {row['tallies']['dspark, draft only'].tau:.2f} | {speed['mlx-lm']:.1f} | "
+              f"{speed['dspark']:.1f} | {ratios['dspark'][-1]:.2f} | {speed['dspark, draft only']:.1f} | "
+              f"{ratios['dspark, draft only'][-1]:.2f} | {'yes' if row['identical'] else '**NO**'} |")
     tokens = sum(len(row["tokens"]) for row in rows)
     speed = {name: statistics.median(tokens / s for s in spent) for name, spent in totals.items()}
     print(f"| **all** | {tokens} | | {statistics.median(row['forced_share'] for row in rows):.0%} (median) | "
-          f"{forced_proposals(overall):.0%} | {by_source(overall, 'draft')} | {by_source(overall, 'copy')} | "
-          f"{by_source(overall, 'forced')} | {overall.by_source.get('none', Tally()).rounds} | {overall.tau:.2f} | "
-          f"{speed['mlx-lm']:.1f} | {speed['dspark']:.1f} | {speed['dspark'] / speed['mlx-lm']:.2f} "
-          f"(median per prompt {statistics.median(ratios):.2f}) | "
+          f"{columns(overall['dspark'])} | {overall['dspark, draft only'].tau:.2f} | {speed['mlx-lm']:.1f} | "
+          f"{speed['dspark']:.1f} | {speed['dspark'] / speed['mlx-lm']:.2f} | {speed['dspark, draft only']:.1f} | "
+          f"{speed['dspark, draft only'] / speed['mlx-lm']:.2f} | "
           f"{'yes' if all(row['identical'] for row in rows) else '**NO**'} |")
+    print(f"\nMedian per prompt: forced by the grammar {statistics.median(row['forced_share'] for row in rows):.0%}, "
+          f"ratio {statistics.median(ratios['dspark']):.2f} (default), "
+          f"{statistics.median(ratios['dspark, draft only']):.2f} (draft only)")
+
+
+def columns(tally: Tally) -> str:
+    """The forced proposals' share of the emitted tokens, tau per source, plain steps, tau over all rounds."""
+    plain = tally.by_source.get("none", Tally()).rounds
+    return (f"{forced_proposals(tally):.0%} | {by_source(tally, 'draft')} | {by_source(tally, 'copy')} | "
+            f"{by_source(tally, 'forced')} | {plain} | {tally.tau:.2f}")
 
 
 def forced_proposals(tally: Tally) -> float:
