@@ -1,9 +1,10 @@
 """Repeated bursts against ``dspark serve`` (loopback, bounded): requests
 streamed and whole, clients leaving mid-stream, hostile bodies. Every
-hostile body gets a 4xx within a second; after the first burst the
-server's resident memory stays within 5 %; and at rest MLX holds no more
-than the weights, the idle batch and what ``/health`` says the prompt
-cache holds (nothing else keeps buffers alive).
+hostile body gets a 4xx within a second; after two bursts (which reach the
+batch sizes and prompt lengths the later ones do: kernels compiled, the
+allocator's pools grown) the server's resident memory stays within 5 %;
+and at rest MLX holds no more than the weights, the idle batch and what
+``/health`` says the prompt cache holds (nothing else keeps buffers alive).
 
 Breaks tried, and what caught them:
 - the prompt cache storing slices of the running batch's buffers
@@ -25,6 +26,7 @@ from test_serve import running_server
 
 openai = pytest.importorskip("openai")
 
+WARM_BURSTS = 2  # measured (about 3 % of resident memory here over the first two), then not counted
 HOSTILE = [
     b"{", b"[]", b"\xff\xfe", json.dumps({"messages": "hi"}).encode(),
     json.dumps({"messages": [{"role": "wizard", "content": "x"}]}).encode(),
@@ -104,11 +106,12 @@ def test_memory_stays_bounded_over_repeated_bursts(server):
     model = json.loads(urllib.request.urlopen(base + "/v1/models").read())["data"][0]["id"]
     idle = at_rest(base)["memory"]["mlx_active_bytes"]
     resident = []
-    for number in range(3):
+    for number in range(WARM_BURSTS + 3):
         codes = burst(base, model, number)
         assert all(400 <= code < 500 and seconds < 1.0 for code, seconds in codes), codes
         state = at_rest(base)
         resident.append(state["memory"]["resident_bytes"] - state["prompt_cache"]["bytes"])
         held = state["memory"]["mlx_active_bytes"] - idle
         assert held <= state["prompt_cache"]["bytes"] + (2 << 20), (number, held, state["prompt_cache"])
-    assert max(resident[1:]) <= 1.05 * resident[0], resident
+    settled = resident[WARM_BURSTS - 1]
+    assert max(resident[WARM_BURSTS:]) <= 1.05 * settled, resident
