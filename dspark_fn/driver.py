@@ -21,8 +21,8 @@ A sequence under a constraint (``insert(..., constraints=...)``: a compiled
 ``constraints.Grammar``) owns a ``Matcher`` that has followed every token it
 emitted, its anchor included. The decoder builds the masks each kernel
 reads from the matchers (its first token's, the verify's along each row's
-proposal, the draft's first slot when the draft runs after the matchers have
-followed the last round), advances each matcher by the tokens its row
+proposal, the draft's first slot: a batch with a constrained row drafts
+after its matchers have followed the last round, never ahead), advances each matcher by the tokens its row
 committed, and after each step reads the tokens the grammar forces next,
 which the planner may propose (``schedule``). A sequence ends with "stop"
 at the grammar's end-of-sequence token (added to its stop tokens) and with
@@ -214,7 +214,7 @@ class Decoder:
         self.cache, self.tokens = prefill(self.params, self.cache, prompts, sampling=settings, grow=self.growing,
                                           masks=self._first_masks(matchers))
         self._sampling = batch_sampling(settings, self.batch)
-        self.pending = self._draft_ahead(np.ones(self.batch, bool))
+        self.pending = None if any(matchers) else self._draft_ahead(np.ones(self.batch, bool))
         mx.eval(self.tokens, self.pending)
         first = self.tokens.tolist()
         self._enter(range(self.batch), tags, prompts, settings, first, fresh=False, max_new_tokens=max_new_tokens,
@@ -312,9 +312,10 @@ class Decoder:
         the next ``insert``).
 
         Host synchronisations: one, the evaluation, when the draft is the
-        only source (the round's draft was made and evaluated with the
-        previous verify) and in a round without a draft pass; two in a round
-        that drafts beside copies or forced tokens, which reads its fresh
+        only source and no sequence is under a constraint (the round's draft
+        was made and evaluated with the previous verify) and in a round
+        without a draft pass; two in a round that drafts beside copies or
+        forced tokens, or for rows under a constraint, which reads its fresh
         draft's confidences (and its tokens, for the masks of rows under a
         constraint) to plan the width before it launches the verify."""
         live = self.live
@@ -346,7 +347,7 @@ class Decoder:
         """The round's sources and draft: chosen in the round before when the
         draft is the only source (the pending draft), else now (a draft made
         now gives each constrained row's first slot its grammar's mask)."""
-        if self.planner.ahead:
+        if self._ahead():
             none = np.zeros(self.batch, bool)
             return Sources(self.pending is not None, none, none), self.pending
         sources = self.planner.sources(matches, live, forced)
@@ -362,16 +363,24 @@ class Decoder:
         """Each row's matcher (None for free rows and rows without a constraint)."""
         return [row.matcher if row is not None else None for row in self.rows]
 
+    def _ahead(self) -> bool:
+        """Whether a round's draft is made with the verify before it: when
+        the draft is the only source (``Planner.ahead``) and no sequence is
+        under a constraint. A constrained row's draft waits for the round's
+        commits, so that its first slot takes the grammar's mask (a draft
+        made ahead would propose, unmasked, tokens its grammar refuses)."""
+        return self.planner.ahead and not any(row is not None and row.matcher is not None for row in self.rows)
+
     def _draft_ahead(self, live: np.ndarray) -> Proposal | None:
         """The coming round's draft, launched now to be evaluated with this
-        step, when the draft is the only source and the planner drafts."""
-        if not self.planner.ahead or not self.planner.sources(np.zeros(self.batch, int), live).draft:
+        step, when drafts are made ahead (``_ahead``) and the planner drafts."""
+        if not self._ahead() or not self.planner.sources(np.zeros(self.batch, int), live).draft:
             return None
         return self._draft()
 
     def _fresh(self, live: np.ndarray) -> np.ndarray:
         """``[B]`` live rows the pending draft does not cover (they joined after it was made)."""
-        return live & np.array([row is not None and row.fresh for row in self.rows]) & self.planner.ahead
+        return live & np.array([row is not None and row.fresh for row in self.rows]) & self._ahead()
 
     def _before(self) -> Before | None:
         """The committed counts and recurrent states before this round, when

@@ -49,7 +49,7 @@ TEXT = PieceTokenizer(JSON_PIECES)
 # A draft pass costs a fifth of a plain step and widening is cheap: the planner drafts while drafts pay.
 COSTS = CostCurve(0.2, {1: 1.0, 2: 1.05, 3: 1.1, 4: 1.15, 5: 1.2})
 MODES = {
-    "draft alone": dict(width=WIDTH, proposals="draft"),  # the draft made during the round before, unmasked
+    "draft alone": dict(width=WIDTH, proposals="draft"),  # made ahead for free batches, at the round's start if held
     "planned": dict(width="auto", costs=COSTS),  # sources at the round's start: forced tokens, copies, the draft
 }
 
@@ -151,6 +151,31 @@ def test_constrained_and_free_rows_share_the_decoder(pair, grammars, references,
     for name, stream in zip(names, streams):
         if name is not None:
             check_valid(name, stream)
+
+
+def test_the_draft_alone_waits_for_the_grammar_when_a_row_is_held(pair, grammars, references, monkeypatch):
+    """With the draft as the only source, a free batch's draft is made with
+    the verify before it (no mask), but a batch with a constrained row
+    drafts after the round's commits, each pass with the grammar's mask on
+    the constrained row's first slot, and still equals the target alone."""
+    _, params = pair
+    real, given = driver.propose, []
+
+    def propose(params, cache, tokens, sampling=None, masks=None):
+        given.append(None if masks is None else np.array(masks))
+        return real(params, cache, tokens, sampling, masks)
+
+    monkeypatch.setattr(driver, "propose", propose)
+    names = ["nested object", "regex"]
+    truths = [references(name, prompt) for name, prompt in zip(names, PROMPTS[:2])]
+    streams, _ = decode(params, grammars, names, PROMPTS[:2], truths, **MODES["draft alone"])
+    assert streams == truths and given
+    everything = np.uint32(0xFFFFFFFF)
+    for masks in given:  # [B, G, words]: a going row's first slot narrowed, the later slots open
+        assert masks is not None and (masks[:, 0] != everything).any() and (masks[:, 1:] == everything).all()
+    given.clear()
+    list(dspark_fn.generate(params, PROMPTS[:2], 20, **MODES["draft alone"]))
+    assert given and all(masks is None for masks in given)
 
 
 def test_forced_tokens_are_verified_without_a_draft_pass(pair, vocab, references, monkeypatch):
