@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from dspark_fn.constraints import compile_constraint
+from grammars import CONSTRAINTS, JSON_PIECES, JSON_VOCAB, vocabulary
 from helpers import PARITY, missing_prerequisite
 
 # a hung server test fails after this, instead of stalling the run
@@ -67,3 +69,15 @@ def pytest_unconfigure(config):
     shorter), every stack printed."""
     if config.stash.get(SERVER_TESTS_RAN, False):
         faulthandler.dump_traceback_later(min(60, SERVER_TEST_SECONDS), exit=True, file=config.stash[STDERR])
+
+
+@pytest.fixture(scope="module")
+def vocab():
+    """The JSON pieces' vocabulary of the constraint tests (``grammars``)."""
+    return vocabulary(JSON_PIECES, JSON_VOCAB)
+
+
+@pytest.fixture(scope="module")
+def grammars(vocab):
+    """Each of ``grammars.CONSTRAINTS`` compiled over ``vocab``."""
+    return {name: compile_constraint(constraint, vocab) for name, constraint in CONSTRAINTS.items()}

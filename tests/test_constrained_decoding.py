@@ -59,15 +59,6 @@ def pair(tmp_path_factory):
     return constrained_pair(tmp_path_factory.mktemp("constrained_decoding"), BLOCK)
 
 
-@pytest.fixture(scope="module")
-def vocab():
-    return vocabulary(JSON_PIECES, JSON_VOCAB)
-
-
-@pytest.fixture(scope="module")
-def grammars(vocab):
-    return {name: compile_constraint(constraint, vocab) for name, constraint in CONSTRAINTS.items()}
-
 
 @pytest.fixture(scope="module")
 def references(pair, vocab):

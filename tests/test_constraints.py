@@ -42,7 +42,7 @@ from dspark_fn.drafts.vocab import reduced_checkpoint
 from dspark_fn.sampling import GREEDY, Sampling, allowed_tokens
 from dspark_fn.types import Copies
 from grammars import (CONSTRAINTS, EOS, JSON_PIECES, JSON_VOCAB, EngineMask, PieceTokenizer, check_valid,
-                      constrained_pair, mlx_lm_constrained_greedy, vocabulary)
+                      constrained_pair, mlx_lm_constrained_greedy)
 from helpers import PROPOSALS, missing_prerequisite, mlx_lm_greedy, right_prefix, speculative_tokens
 
 BLOCK = 4
@@ -70,15 +70,6 @@ def reduced(root, pair):
     save_draft(root / "reduced", *reduced_checkpoint(config, weights, np.arange(0, JSON_VOCAB, 2)))
     return dspark_fn.load(root / "target", root / "reduced")
 
-
-@pytest.fixture(scope="module")
-def vocab():
-    return vocabulary(JSON_PIECES, JSON_VOCAB)
-
-
-@pytest.fixture(scope="module")
-def grammars(vocab):
-    return {name: compile_constraint(constraint, vocab) for name, constraint in CONSTRAINTS.items()}
 
 
 def reference(model, prompt, name, vocab):

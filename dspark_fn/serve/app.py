@@ -76,9 +76,9 @@ class Api:
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         self.fingerprint = fingerprint or system_fingerprint(model_name, None)
         self.stop_ids = frozenset(tokenizer_stop_tokens(tokenizer))
-        self.grammars = engine.grammars if engine.grammars is not None else Grammars(
+        grammars = engine.grammars if engine.grammars is not None else Grammars(
             tokenizer, engine.params.spec.target.vocab_size, self.stop_ids)
-        self.reader = Reader(engine, tokenizer, model_name, self.grammars, images)
+        self.reader = Reader(engine, tokenizer, model_name, grammars, images)
         self.conversations = responses.Conversations()
 
     # ---- running
@@ -88,10 +88,9 @@ class Api:
         queued or none (a full queue: those queued already are cancelled)."""
         prompts = [prompt for prompt in job.prompts for _ in range(job.n)]
         seeds = [job.seed + i if job.seed is not None else secrets.randbits(31) for i in range(len(prompts))]
-        grammar = None if job.constraint is None else self.grammars.compile(job.constraint)
         requests = [Request(prompt=prompt, max_tokens=job.max_tokens, sampling=job.sampling, seed=seed,
                             stop_tokens=self.stop_ids, top_log_probs=job.top_log_probs, score_prompt=job.scores_prompt,
-                            constraint=job.constraint, grammar=grammar)
+                            constraint=job.constraint, grammar=job.grammar)
                     for prompt, seed in zip(prompts, seeds)]
         try:
             for request in requests:

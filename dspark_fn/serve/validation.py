@@ -6,7 +6,7 @@ takes."""
 from dataclasses import dataclass
 
 from ..chat import template_text, template_tokens
-from ..constraints import Constraint
+from ..constraints import Constraint, Grammar
 from ..driver import TOP_LOG_PROBS
 from ..sampling import Sampling
 from ..types import ImagePrompt, prompt_ids
@@ -35,7 +35,8 @@ class Job:
     top_log_probs: int | None = None  # log-probabilities asked: with this many most likely tokens each
     tools: Tools = Tools(())  # the function tools offered, after tool_choice
     echo: tuple = ()  # completions with echo: each prompt's text, sent before its completion
-    constraint: Constraint | None = None  # what every reply must match (compiled already: ``Grammars``)
+    constraint: Constraint | None = None  # what every reply must match
+    grammar: Grammar | None = None  # the constraint compiled (``Grammars``)
 
     @property
     def scores_prompt(self) -> bool:
@@ -134,7 +135,7 @@ class Reader:
             number(body, "top_k", 0, int, low=0),
             number(body, "top_p", 1.0, low=0, high=1, low_open=True),
         )
-        constraint = self.constraint(body, kind, tools, prompt_ids(prompts[0][0]), echo)
+        constraint, grammar = self.constraint(body, kind, tools, prompt_ids(prompts[0][0]), echo)
         stop = body.get("stop") or ()
         stop = (stop,) if isinstance(stop, str) else stop
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 4:
@@ -149,11 +150,13 @@ class Reader:
         return Job(kind=kind, prompts=tuple(prompt for prompt, _ in prompts), max_tokens=max_tokens, sampling=sampling,
                    seed=seed, stop=tuple(stop), n=number(body, "n", 1, int, low=1, high=8),
                    stream=boolean(body, "stream"), include_usage=bool(options.get("include_usage", False)),
-                   top_log_probs=self.top_log_probs(body, kind), tools=tools, echo=texts, constraint=constraint)
+                   top_log_probs=self.top_log_probs(body, kind), tools=tools, echo=texts, constraint=constraint,
+                   grammar=grammar)
 
-    def constraint(self, body: dict, kind: str, tools: Tools, prompt: list, echo: bool) -> Constraint | None:
-        """What the replies must match (``structured``), compiled now: a bad
-        one is a 400 before any row is taken."""
+    def constraint(self, body: dict, kind: str, tools: Tools, prompt: list, echo: bool) -> tuple:
+        """``(constraint, its grammar)``: what the replies must match
+        (``structured``), compiled now, so that a bad one is a 400 before any
+        row is taken; ``(None, None)`` for free replies."""
         if kind == "text":
             held = response_constraint(body.get("response_format"))
             field = "response_format"
@@ -166,9 +169,7 @@ class Reader:
                 raise ApiError(f"'parallel_tool_calls' must be true or false, got {parallel!r}", "parallel_tool_calls")
             held, field = reply_constraint(body.get("response_format"), tools, parallel, self.tokenizer, prompt) \
                 or (None, None)
-        if held is not None:
-            compiled(self.grammars, held, field)
-        return held
+        return (None, None) if held is None else (held, compiled(self.grammars, held, field))
 
     def top_log_probs(self, body: dict, kind: str) -> int | None:
         """Chat: ``logprobs`` (true/false) and ``top_logprobs`` (0-20); completions: ``logprobs`` (0-20)."""
