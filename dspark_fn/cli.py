@@ -389,9 +389,10 @@ def run_models(args) -> int:
 def run_train(args) -> int:
     from .distill import DistillConfig, TrainConfig, distill
 
+    draft_vocab = args.draft_vocab if args.draft_vocab is not None else 0 if args.init_draft else 4096  # 0: its own
     setup = DistillConfig(
         layers=args.layers, taps=tuple(args.taps) if args.taps else None, block_size=args.block_size,
-        feature_taps=tuple(args.feature_taps) if args.feature_taps else None, markov_rank=args.markov_rank, draft_vocab=args.draft_vocab, answer_tokens=args.tokens,
+        feature_taps=tuple(args.feature_taps) if args.feature_taps else None, markov_rank=args.markov_rank, draft_vocab=draft_vocab, answer_tokens=args.tokens,
         max_new_tokens=args.max_tokens, sources=tuple(args.sources.split(",")), prompts_file=args.prompts,
         answer_batch=args.answer_batch, shard_rows=args.shard_rows, held_out=args.held_out, init_draft=args.init_draft,
         feature_workers=args.feature_workers, held_out_file=args.held_out_prompts,
@@ -529,8 +530,9 @@ def build_parser() -> argparse.ArgumentParser:
                      "(default: the draft's taps); drafts whose taps are among them train from the same shards")
     fit.add_argument("--block-size", type=int, default=5, help="draft block size")
     fit.add_argument("--markov-rank", type=int, default=32, help="Markov head rank (0: none)")
-    fit.add_argument("--draft-vocab", type=int, default=4096,
-                     help="propose from the answers' most frequent tokens (0: the whole vocabulary)")
+    fit.add_argument("--draft-vocab", type=int,
+                     help="propose from the answers' most frequent tokens (default 4096; 0: the whole vocabulary); "
+                     "with --init-draft, widen the draft's own vocabulary to this many (default: keep it)")
     fit.add_argument("--steps", type=int, default=1000, help="optimizer steps")
     fit.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (4%% warmup, cosine decay)")
     fit.add_argument("--batch", type=int, default=8, help="sequences per step (16 anchor blocks each)")

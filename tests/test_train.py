@@ -488,3 +488,38 @@ def test_distil_end_to_end_writes_a_draft_that_decodes_losslessly(family, tmp_pa
     check_shard_rows_as_alone(str(tmp_path / "target"), tmp_path / "run" / "features", answers)
     prompt = answers[0].prompt
     assert [t for e in generate(params, prompt, 24) for t in e.emitted] == mlx_lm_greedy(model, prompt, 24)
+
+
+def test_a_warm_restart_widens_the_drafts_vocabulary_and_stays_lossless(tmp_path):
+    """``--init-draft`` with a larger ``--draft-vocab``: the draft keeps its
+    own tokens, adds the answers' most frequent, trains on and decodes as the
+    target alone; a smaller vocabulary is refused by name."""
+    from mlx_lm.utils import load_model
+
+    from dspark_fn import distill
+    from dspark_fn.catalog import load_named
+
+    write_qwen3_release(tmp_path / "target")
+    common = dict(taps=(1, 3), block_size=4, markov_rank=8, answer_tokens=600, max_new_tokens=48,
+                  sources=("bundled",), answer_batch=4, shard_rows=4, held_out=2, eval_new_tokens=24)
+    config = trainer.TrainConfig(steps=2, checkpoint_every=2, anchors_per_sequence=4, sequences_per_step=2)
+    quiet = dict(log=lambda line: None)
+    distill.distill(str(tmp_path / "target"), tmp_path / "first", distill.DistillConfig(draft_vocab=48, **common),
+                    config, **quiet)
+    (tmp_path / "warm").mkdir()
+    for item in ("answers.jsonl", "features"):  # the first run's corpus, as a later run on the same answers reads it
+        (tmp_path / "warm" / item).symlink_to(tmp_path / "first" / item)
+    warm = distill.DistillConfig(draft_vocab=80, init_draft=str(tmp_path / "first" / "draft"), **common)
+    last = distill.distill(str(tmp_path / "target"), tmp_path / "warm", warm, config, **quiet)
+    assert last.step == 2
+    before, _, _ = load_named(str(tmp_path / "target"), str(tmp_path / "first" / "draft"), dtype=mx.float32)
+    params, _, _ = load_named(str(tmp_path / "target"), str(tmp_path / "warm" / "draft"), dtype=mx.float32)
+    own, widened = (np.array(p.draft["draft_vocab_ids"]).tolist() for p in (before, params))
+    assert len(widened) == 80 and set(own) < set(widened)
+    model, _ = load_model(tmp_path / "target")
+    model.set_dtype(mx.float32)
+    prompt = answering.read_answers(tmp_path / "first" / "answers.jsonl")[0].prompt
+    assert [t for e in generate(params, prompt, 24) for t in e.emitted] == mlx_lm_greedy(model, prompt, 24)
+    narrower = distill.DistillConfig(draft_vocab=32, init_draft=str(tmp_path / "first" / "draft"), **common)
+    with pytest.raises(ValueError, match="--draft-vocab 32: .* proposes from 48 tokens"):
+        distill.distill(str(tmp_path / "target"), tmp_path / "narrow", narrower, config, **quiet)

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import dspark_fn
-from dspark_fn.checkpoints import save_draft
-from dspark_fn.drafts.vocab import frequent_tokens, reduced_checkpoint
+from dspark_fn.checkpoints import save_draft, shared_modules
+from dspark_fn.drafts.vocab import frequent_tokens, reduced_checkpoint, widen_vocabulary
 from dspark_fn.schedule import CostCurve
 from helpers import (
     build_bigram_draft,
@@ -79,6 +79,33 @@ def test_a_shared_head_is_cut_to_the_subset(pairs, tmp_path):
     params = dspark_fn.load(root / "target", reduce(tmp_path / "full", tmp_path / "reduced", ids))
     head = params.target["model"]["embed_tokens"]["weight"]
     assert mx.array_equal(params.draft["lm_head"]["weight"], head[mx.array(ids)])
+
+
+def test_a_widened_draft_keeps_its_tokens_rows_and_starts_the_new_ones_unbiased(pairs, tmp_path):
+    """Widening a reduced draft to the whole vocabulary gives the full draft
+    whose Markov output rows outside the old subset are zero: the same drafts
+    and logits."""
+    root, ids = pairs[-1], pairs[3]
+    build_draft(tmp_path / "full", draft_config(CONFIG, layers=1, taps=(0, 1), block_size=4), seed=3)
+    full = dspark_fn.load(root / "target", tmp_path / "full")
+    reduced = dspark_fn.load(root / "target", reduce(tmp_path / "full", tmp_path / "reduced", ids))
+    head = shared_modules(reduced.spec.target_adapter.layout, reduced.target)["lm_head.weight"]
+    everything = np.arange(CONFIG["vocab_size"])
+    widened = reduced._replace(draft=widen_vocabulary(reduced.draft, everything[::-1], head))  # any order
+    markov = np.array(full.draft["markov_head"]["markov_w2"]["weight"])
+    markov[np.setdiff1d(everything, ids)] = 0
+    unbiased = full._replace(draft=dict(full.draft, markov_head=dict(full.draft["markov_head"],
+                                                                     markov_w2={"weight": mx.array(markov)})))
+    cache, tokens = dspark_fn.prefill(full, dspark_fn.init_cache(full, 1, 64), [3, 1, 4, 1, 5])
+    expected = dspark_fn.draft_block(unbiased, cache, tokens)
+    got = dspark_fn.draft_block(widened, cache, tokens)
+    assert np.array(got.tokens).tolist() == np.array(expected.tokens).tolist()
+    assert_fp32_close(np.ascontiguousarray(np.array(got.logits)[..., ::-1]), expected.logits, "logits", layers=4, reduction=96)
+    with pytest.raises(ValueError, match="keep the draft's own"):
+        widen_vocabulary(reduced.draft, everything[:KEEP], head)
+    bigram = pairs[2]  # a draft with an output head of its own
+    with pytest.raises(ValueError, match="head of its own"):
+        widen_vocabulary(bigram.draft, everything, head)
 
 
 @pytest.mark.parametrize("width", ["auto", None, 3])

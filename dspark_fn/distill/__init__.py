@@ -17,16 +17,18 @@ the draft's configuration and first weights.
 """
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Callable
 
 import mlx.core as mx
+import numpy as np
 
-from ..checkpoints import check_draft_fits, load_draft
+from ..checkpoints import check_draft_fits, load_draft, shared_modules
 from ..drafts import resolve_arch
-from ..drafts.vocab import frequent_tokens
+from ..drafts.heads import DRAFT_VOCAB_KEY
+from ..drafts.vocab import frequent_tokens, widen_vocabulary
 from ..targets import resolve_target
 from ..types import PairSpec, Params
 from .answers import answer_prompts, prefix_answers, read_answers, single_stream_speed
@@ -50,7 +52,7 @@ class DistillConfig:
     feature_taps: tuple | None = None  # taps the feature shards store (default: the draft's); a superset serves drafts of other taps
     block_size: int = 5
     markov_rank: int = 32
-    draft_vocab: int = 0  # propose from this many of the answers' most frequent tokens (0: all)
+    draft_vocab: int = 0  # propose from this many of the answers' most frequent tokens (0: all; a warm restart: its own)
     mask_token_id: int | None = None  # default: the last vocabulary row
     answer_tokens: int = 1_000_000  # answer tokens to collect before training
     max_new_tokens: int = 256
@@ -82,6 +84,27 @@ def prompt_ids(setup: DistillConfig, tokenizer, held_out: set) -> list[tuple[str
         if len(tokens) <= setup.max_prompt_tokens:
             ids.append((prompt.source, tokens))
     return ids
+
+
+def check_widening(own: int, size: int) -> None:
+    """Refuse a warm restart's ``--draft-vocab`` that would narrow its draft's own ``own`` tokens (0: all)."""
+    if size and size != own and (not own or size < own):
+        have = f"proposes from {own} tokens" if own else "proposes from the whole vocabulary"
+        raise ValueError(f"--draft-vocab {size}: the warm restart's draft {have}, and a warm restart can only "
+                         "widen a reduced vocabulary (leave --draft-vocab out to keep it)")
+
+
+def widened(params: Params, draft_config: dict, size: int, answers, stops) -> tuple:
+    """``(draft_config, spec, params)`` of a warm restart's draft proposing
+    from ``size`` tokens: its own and then the answers' most frequent."""
+    target_spec = params.spec.target
+    keep = np.array(params.draft[DRAFT_VOCAB_KEY]).tolist()
+    ids = frequent_tokens([a.answer for a in answers], size, target_spec.vocab_size, always=[*keep, *stops])
+    head = shared_modules(params.spec.target_adapter.layout, params.target)["lm_head.weight"]
+    draft_config = {**draft_config, "draft_vocab_size": len(ids)}
+    spec = params.spec.draft_arch.spec_from_config(draft_config)
+    draft = widen_vocabulary(params.draft, ids, head)
+    return draft_config, spec, params._replace(spec=replace(params.spec, draft=spec), draft=draft)
 
 
 def distill(target_source, out_dir, setup: DistillConfig, config: TrainConfig,
@@ -123,6 +146,7 @@ def distill(target_source, out_dir, setup: DistillConfig, config: TrainConfig,
     if setup.init_draft:
         arch, spec, draft = load_draft(setup.init_draft, target_spec, target_params)
         draft_config = json.loads((Path(setup.init_draft) / "config.json").read_text())
+        check_widening(spec.draft_vocab_size, setup.draft_vocab)  # before hours of answering, not after
         params = Params(PairSpec(adapter, target_spec, arch, spec), target_params, draft)
     else:
         _, _, spec, params = draft_for(None)
@@ -161,12 +185,15 @@ def distill(target_source, out_dir, setup: DistillConfig, config: TrainConfig,
     if not index["shards"]:
         raise ValueError("not enough answers for one corpus shard yet: answer more prompts first")
 
-    # 4: the draft (its vocabulary from the answers, or a warm restart's own), trained over the shards
+    # 4: the draft (its vocabulary from the answers, or a warm restart's own, widened by the answers when asked),
+    # trained over the shards
     if not setup.init_draft:
         vocab_ids = None
         if setup.draft_vocab:
             vocab_ids = frequent_tokens([a.answer for a in answers], setup.draft_vocab, target_spec.vocab_size, stops)
         draft_config, arch, spec, params = draft_for(vocab_ids)
+    elif setup.draft_vocab and setup.draft_vocab != spec.draft_vocab_size:
+        draft_config, spec, params = widened(params, draft_config, setup.draft_vocab, answers, stops)
     held_out = [chat_tokens(tokenizer, text) for text in scored_texts]
 
     def evaluate(draft_params):

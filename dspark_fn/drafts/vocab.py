@@ -27,6 +27,30 @@ def restrict_vocabulary(params: dict, ids: mx.array, markov_rows: bool = True) -
     return restricted
 
 
+def widen_vocabulary(params: dict, ids: np.ndarray, head: dict) -> dict:
+    """A reduced-vocabulary draft proposing from ``ids``, a superset of its own
+    vocabulary: the output head is ``head`` (the target's, which the draft
+    shares) cut to ``ids``, and each token keeps its trained Markov output row
+    while the new tokens start at zero (no Markov bias until trained), so the
+    widened draft scores its old tokens exactly as before."""
+    own = np.array(params[DRAFT_VOCAB_KEY])
+    ids = np.asarray(ids, np.int32)
+    check_vocabulary(ids, head["weight"].shape[0])
+    if len(np.setdiff1d(own, ids)):
+        raise ValueError(f"a widened vocabulary must keep the draft's own {len(own)} tokens")
+    if not mx.array_equal(params["lm_head"]["weight"], head["weight"][mx.array(own)]):
+        raise ValueError("this draft has an output head of its own, with no rows for new tokens: it cannot be widened")
+    widened = restrict_vocabulary(dict(params, lm_head=head), mx.array(ids), markov_rows=False)
+    widened[DRAFT_VOCAB_KEY] = mx.array(ids)
+    if "markov_head" in params:
+        rows = np.array(params["markov_head"]["markov_w2"]["weight"])
+        markov = np.zeros((len(ids), rows.shape[1]), rows.dtype)
+        order = np.argsort(ids)
+        markov[order[np.searchsorted(ids[order], own)]] = rows  # each own token's row at its place in ids
+        widened["markov_head"] = dict(params["markov_head"], markov_w2={"weight": mx.array(markov)})
+    return widened
+
+
 def check_vocabulary(ids: np.ndarray, vocab_size: int) -> None:
     """Refuse a draft vocabulary that is empty, repeats an id or leaves ``0..vocab_size - 1``."""
     if ids.ndim != 1 or not len(ids):
