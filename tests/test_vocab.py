@@ -100,7 +100,8 @@ def test_a_widened_draft_keeps_its_tokens_rows_and_starts_the_new_ones_unbiased(
     expected = dspark_fn.draft_block(unbiased, cache, tokens)
     got = dspark_fn.draft_block(widened, cache, tokens)
     assert np.array(got.tokens).tolist() == np.array(expected.tokens).tolist()
-    assert_fp32_close(np.ascontiguousarray(np.array(got.logits)[..., ::-1]), expected.logits, "logits", layers=4, reduction=96)
+    in_target_order = np.ascontiguousarray(np.array(got.logits)[..., ::-1])
+    assert_fp32_close(in_target_order, expected.logits, "logits", layers=4, reduction=96)
     with pytest.raises(ValueError, match="keep the draft's own"):
         widen_vocabulary(reduced.draft, everything[:KEEP], head)
     bigram = pairs[2]  # a draft with an output head of its own

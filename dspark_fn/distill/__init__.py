@@ -52,7 +52,7 @@ class DistillConfig:
     feature_taps: tuple | None = None  # taps the feature shards store (default: the draft's); a superset serves drafts of other taps
     block_size: int = 5
     markov_rank: int = 32
-    draft_vocab: int = 0  # propose from this many of the answers' most frequent tokens (0: all; a warm restart: its own)
+    draft_vocab: int = 0  # propose from the answers' most frequent tokens (0: all; a warm restart: its own)
     mask_token_id: int | None = None  # default: the last vocabulary row
     answer_tokens: int = 1_000_000  # answer tokens to collect before training
     max_new_tokens: int = 256
