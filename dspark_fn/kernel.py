@@ -7,15 +7,24 @@ once more than a plain tuple would, so arguments cross the boundary as
 plain tuples and are rebuilt inside, in the types they came in.
 
 ``TRACE_COUNTS[name]`` counts the traces of each kernel (its body runs
-once per trace), which the tests read to prove that rounds do not retrace.
+once per trace), which the tests read to prove that rounds do not retrace;
+``TRACES`` says what each trace was for: the kernel (its name and number,
+which tells apart kernels of one name, such as the verify of each width)
+and the shapes and types of its arguments. MLX keeps compiled kernels per
+thread (each thread has its own stream), so a kernel called from a new
+thread traces again.
 """
 
+import itertools
 from collections import Counter
 from typing import Callable
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 
 TRACE_COUNTS: Counter = Counter()
+TRACES: list = []  # (name, kernel number, argument signature) of each trace, in order
+_kernel_numbers = itertools.count()
 
 
 def _is_record(value) -> bool:
@@ -53,12 +62,20 @@ def _rebuilt(skeleton, tree):
     return kind(*values) if hasattr(kind, "_fields") else kind(values)
 
 
+def signature(plain) -> tuple:
+    """What a trace is for: each array's place, shape and type, and the other leaves as they are."""
+    return tuple((place, (tuple(leaf.shape), leaf.dtype) if isinstance(leaf, mx.array) else leaf)
+                 for place, leaf in tree_flatten(list(plain)))
+
+
 def compiled(name: str, fn: Callable) -> Callable:
-    """``fn`` compiled, taking its arguments as records; each trace adds one to ``TRACE_COUNTS[name]``."""
-    arguments = {}
+    """``fn`` compiled, taking its arguments as records; each trace adds one
+    to ``TRACE_COUNTS[name]`` and its record to ``TRACES``."""
+    arguments, number = {}, next(_kernel_numbers)
 
     def traced(*plain):
         TRACE_COUNTS[name] += 1
+        TRACES.append((name, number, signature(plain)))
         return fn(*_rebuilt(arguments["skeleton"], plain))
 
     kernel = mx.compile(traced)

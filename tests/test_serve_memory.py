@@ -1,8 +1,9 @@
 """Repeated bursts against ``dspark serve`` (loopback, bounded): requests
 streamed and whole, clients leaving mid-stream, hostile bodies. Every
-hostile body gets a 4xx within a second; after two bursts (which reach the
-batch sizes and prompt lengths the later ones do: kernels compiled, the
-allocator's pools grown) the server's resident memory stays within 5 %;
+hostile body gets a 4xx within a second; after two bursts (kernels
+compiled, the allocator's pools grown) the server's resident memory grows
+less than 5 % over three bursts that compile no kernel (``/health``'s
+``traces``: a kernel's code is memory the server keeps);
 and at rest MLX holds no more than the weights, the idle batch and what
 ``/health`` says the prompt cache holds (nothing else keeps buffers alive).
 
@@ -10,7 +11,9 @@ Breaks tried, and what caught them:
 - the prompt cache storing slices of the running batch's buffers
   (``buffers.row_cache`` cutting views of them, no copy): each entry keeps a
   whole batch buffer alive, and
-  the held memory exceeds the accounted one.
+  the held memory exceeds the accounted one;
+- the engine keeping 1 MiB of Python memory per ended request: the quiet
+  bursts grow 16 % (43 MB of 271).
 """
 
 import json
@@ -27,6 +30,8 @@ from test_serve import running_server
 openai = pytest.importorskip("openai")
 
 WARM_BURSTS = 2  # measured (about 3 % of resident memory here over the first two), then not counted
+QUIET_BURSTS = 3  # bursts that compile no kernel, whose growth together stays within 5 %
+MAX_BURSTS = 16  # a burst takes about a second here; every batch size and width is met well before
 HOSTILE = [
     b"{", b"[]", b"\xff\xfe", json.dumps({"messages": "hi"}).encode(),
     json.dumps({"messages": [{"role": "wizard", "content": "x"}]}).encode(),
@@ -102,16 +107,25 @@ def at_rest(base: str) -> dict:
 
 
 def test_memory_stays_bounded_over_repeated_bursts(server):
+    """Resident memory grows with each kernel compiled (its code), and which
+    batch sizes and widths a burst reaches depends on when its requests
+    arrive: the bursts compared are those that compiled nothing."""
     base, _, _ = server
     model = json.loads(urllib.request.urlopen(base + "/v1/models").read())["data"][0]["id"]
     idle = at_rest(base)["memory"]["mlx_active_bytes"]
-    resident = []
-    for number in range(WARM_BURSTS + 3):
+    settled, growth = None, []  # (resident bytes, traces) after the last burst; growth over quiet bursts
+    for number in range(MAX_BURSTS):
         codes = burst(base, model, number)
         assert all(400 <= code < 500 and seconds < 1.0 for code, seconds in codes), codes
         state = at_rest(base)
-        resident.append(state["memory"]["resident_bytes"] - state["prompt_cache"]["bytes"])
+        resident = state["memory"]["resident_bytes"] - state["prompt_cache"]["bytes"]
+        traces = sum(state["traces"].values())
         held = state["memory"]["mlx_active_bytes"] - idle
         assert held <= state["prompt_cache"]["bytes"] + (2 << 20), (number, held, state["prompt_cache"])
-    settled = resident[WARM_BURSTS - 1]
-    assert max(resident[WARM_BURSTS:]) <= 1.05 * settled, resident
+        if number >= WARM_BURSTS and traces == settled[1]:
+            growth.append(resident - settled[0])
+        settled = (resident, traces)
+        if len(growth) == QUIET_BURSTS:
+            break
+    assert len(growth) == QUIET_BURSTS, f"kernels still compiling after {MAX_BURSTS} bursts"
+    assert sum(growth) <= 0.05 * settled[0], growth

@@ -10,8 +10,8 @@ call that validates against the tool's parameters schema (whole and
 streamed, ``finish_reason: "tool_calls"``), also through the Responses API
 (``text.format``, ``tool_choice``) and Anthropic's Messages (``tool_choice``
 any / tool); the agents SDK runs an agent with a required tool and one with
-an output type; constrained and free requests share the batch without
-compiling a kernel; a constraint that cannot be enforced is a 400 naming it
+an output type; constrained and free requests share the batch, tracing
+no kernel that free traffic does not; a constraint that cannot be enforced is a 400 naming it
 before any row is taken; a thinking model is held from the end of its
 thinking on.
 
@@ -26,17 +26,21 @@ import json
 import threading
 
 import jsonschema
+import mlx.core as mx
 import numpy as np
 import pytest
 
 import dspark_fn
+from dspark_fn.buffers import init_cache
 from dspark_fn.chat import chat_tokens, stop_tokens, thinking_ahead
 from dspark_fn.checkpoints import load_tokenizer
 from dspark_fn.constraints import Constraint
-from dspark_fn.kernel import TRACE_COUNTS
-from dspark_fn.schedule import CostCurve
+from dspark_fn.kernel import TRACES
+from dspark_fn.rounds import no_proposal, propose, undrafted, verify
+from dspark_fn.sampling import Mode
+from dspark_fn.schedule import CostCurve, width_buckets
 from dspark_fn.serve.app import create_app
-from dspark_fn.serve.engine import Engine
+from dspark_fn.serve.engine import Engine, running_batch
 from dspark_fn.serve.structured import Grammars, reply_constraint
 from dspark_fn.serve.tools import Tools
 from helpers import running
@@ -68,7 +72,7 @@ def library(tmp_path_factory):
     root = tmp_path_factory.mktemp("serve_structured")
     qwen3_pair(tied=True, taps=[1, 2, 3, 4, 5])(root / "target", root / "draft")
     params = dspark_fn.catalog.load_named(str(root / "target"), str(root / "draft"),
-                                          dtype=__import__("mlx.core").core.float32)[0]
+                                          dtype=mx.float32)[0]
     return params, load_tokenizer(root / "target")
 
 
@@ -222,11 +226,43 @@ def test_an_agent_calls_its_required_tool_and_returns_its_output_type(served):
         assert isinstance(agents.Runner.run_sync(typed, "Weather in Oslo?").final_output, Forecast)
 
 
-def test_constrained_and_free_requests_share_the_batch_without_new_kernels(client, library):
+def free_kernels(params, capacity: int, max_batch: int) -> set:
+    """The (kernel number, signature) of the draft at each batch size the
+    engine runs and of the verify there at each width the planner may
+    pick, with no masks, as the decoder calls them (no proposal at width
+    1): traced in a thread of their own (kernels are
+    compiled per thread, so each call there traces)."""
+    def trace_each():
+        for batch in sorted({running_batch(n, max_batch) for n in range(1, max_batch + 1)}):
+            cache, anchors = init_cache(params, batch, capacity), mx.zeros((batch,), mx.int32)
+            mx.eval(propose(params, cache, anchors))
+            for width in width_buckets(params.spec.block_size):
+                proposal = no_proposal(batch) if width == 1 else undrafted(params, batch, Mode())
+                mx.eval(verify(params, cache, anchors, proposal, width, check_room=False))
+
+    return traced_kernels(lambda: running_alone(trace_each))
+
+
+def traced_kernels(work) -> set:
+    """The (kernel number, signature) of each trace while ``work`` runs."""
+    start = len(TRACES)
+    work()
+    return {(number, signature) for _, number, signature in TRACES[start:]}
+
+
+def running_alone(work) -> None:
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+
+
+def test_constrained_and_free_requests_share_the_batch_without_new_kernels(client, served, library):
     """Requests with a schema, any JSON object and none at once, each equal
-    to its run alone; no kernel is compiled for them beyond those the same
-    traffic compiles unconstrained (every batch size it can reach, warmed
-    first with free requests)."""
+    to its run alone; every kernel traced for them is one free traffic
+    traces: free requests (their prefills) or free batches of every size
+    the engine runs at every width (which sizes and widths requests reach
+    depends on when they arrive, so those are traced directly)."""
+    engine, _ = served
     results = {}
 
     def ask(name, **options):
@@ -240,20 +276,25 @@ def test_constrained_and_free_requests_share_the_batch_without_new_kernels(clien
         for thread in threads:
             thread.join()
 
-    for crowd in (1, 2, 3, 4, 3):
-        at_once({f"warm {i}": {} for i in range(crowd)})
-    warm = TRACE_COUNTS.copy()
+    def free_crowds():
+        for crowd in (1, 2, 3, 4, 3):
+            at_once({f"warm {i}": {} for i in range(crowd)})
+
+    free = traced_kernels(free_crowds) | free_kernels(library[0], engine.decoder.cache.capacity, engine.max_batch)
+    start = len(TRACES)
     at_once({"schema": dict(response_format=schema_format(SCHEMA)), "free": {},
              "object": dict(response_format={"type": "json_object"})})
-    assert TRACE_COUNTS == warm, {k: TRACE_COUNTS[k] - warm.get(k, 0) for k in TRACE_COUNTS}
+    new = [(name, [leaf for leaf in shapes if not leaf[0].startswith(("0.", "1."))])  # past the weights
+           for name, number, shapes in TRACES[start:] if (number, shapes) not in free]
+    assert not new, new
     assert results["schema"].message.content == library_reply(library, Constraint.json_schema(SCHEMA))
     assert results["object"].message.content == library_reply(library, Constraint.json_object())
     params, tokenizer = library
     prompt = chat_tokens(tokenizer, "hello world")
     stops = stop_tokens(tokenizer)
-    free = [t for e in dspark_fn.generate(params, prompt, TOKENS, stop_tokens=stops, costs=costs)
-            for t in e.emitted]
-    assert results["free"].message.content == tokenizer.decode([t for t in free if t not in stops])
+    free_reply = [t for e in dspark_fn.generate(params, prompt, TOKENS, stop_tokens=stops, costs=costs)
+                  for t in e.emitted]
+    assert results["free"].message.content == tokenizer.decode([t for t in free_reply if t not in stops])
 
 
 @pytest.mark.parametrize("options, field, message", [

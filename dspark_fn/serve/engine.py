@@ -61,6 +61,7 @@ from ..buffers import capacity_for, init_cache, row_cache
 from ..cache import Cache
 from ..constraints import Constraint, Grammar
 from ..driver import TOP_LOG_PROBS, Decoder, token_scores
+from ..kernel import TRACE_COUNTS
 from ..prefilling import score_prompt
 from ..sampling import GREEDY, Sampling
 from ..stats import Tally
@@ -324,6 +325,7 @@ class Engine:
                              "budget_bytes": self.prompt_cache.budget,
                              "hits": self.prompt_cache.hits, "misses": self.prompt_cache.misses},
             "memory": memory_use(),
+            "traces": dict(TRACE_COUNTS),  # kernels compiled so far: a rise explains a slow round
             "images_encoded": self.params.vision.encoded if self.params.vision is not None else 0,
         }
 
