@@ -399,7 +399,7 @@ def run_train(args) -> int:
     )
     config = TrainConfig(steps=args.steps, learning_rate=args.lr, sequences_per_step=args.batch,
                          checkpoint_every=args.checkpoint_every, steps_per_shard=args.steps_per_shard,
-                         loss_weights=tuple(args.loss_weights))
+                         **({"loss_weights": tuple(args.loss_weights)} if args.loss_weights else {}))
     distill(args.model, args.out, setup, config,
            log=lambda line: print(line, file=sys.stderr, flush=True), progress=progress)
     print(f"dspark: draft written to {args.out}/draft", file=sys.stderr)
@@ -536,9 +536,9 @@ def build_parser() -> argparse.ArgumentParser:
     fit.add_argument("--steps", type=int, default=1000, help="optimizer steps")
     fit.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (4%% warmup, cosine decay)")
     fit.add_argument("--batch", type=int, default=8, help="sequences per step (16 anchor blocks each)")
-    fit.add_argument("--loss-weights", type=float, nargs=3, default=[0.5, 0.5, 1.0], metavar=("CE", "L1", "CONFIDENCE"),
+    fit.add_argument("--loss-weights", type=float, nargs=3, metavar=("CE", "L1", "CONFIDENCE"),
                      help="the loss mix: cross-entropy on the target's token, L1 to its top-16, confidence BCE "
-                          "(DeepSpec's 0.1 0.9 1.0 ranked below this one on held-out prompts)")
+                          "(default 0.5 0.5 1.0: DeepSpec's 0.1 0.9 1.0 ranked below it on held-out prompts)")
     fit.add_argument("--steps-per-shard", type=int, default=25, help="consecutive steps drawn from one feature shard")
     fit.add_argument("--checkpoint-every", type=int, default=250, help="steps between checkpoints and tau checks")
     fit.add_argument("--held-out", type=int, default=8, help="last bundled prompts kept for the tau check")
