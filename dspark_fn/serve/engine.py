@@ -66,6 +66,7 @@ from ..prefilling import score_prompt
 from ..sampling import GREEDY, Sampling
 from ..stats import Tally
 from ..types import Ended, ImagePrompt, Params, TokenLogProbs, prompt_key
+from .decode_threads import run_parked
 
 RETRY_AFTER = 1  # seconds a refused client is asked to wait before trying again
 
@@ -235,8 +236,9 @@ def running_batch(requests: int, max_batch: int) -> int:
 
 
 class Engine:
-    """The decoding thread. ``submit`` queues a request; ``close`` cancels
-    what is in flight and stops the thread."""
+    """The decoding loop, on a thread of its own (``decode_threads``: it
+    parks when the loop ends). ``submit`` queues a request; ``close``
+    cancels what is in flight and ends the loop."""
 
     def __init__(self, params: Params, max_batch: int = 8, max_context: int = 4096,
                  prompt_cache_bytes: int = 1 << 30, group=None, max_queue: int = 64, queue_timeout: float = 600.0,
@@ -259,14 +261,11 @@ class Engine:
         # weights here, and let the engine thread build all decoding state.
         mx.eval(params.target, params.draft)
         self.decoder, started = None, threading.Event()
-        self.thread = threading.Thread(
-            target=self._run, args=(decoder_options, started), name="dspark-engine", daemon=True
-        )
         if self.group is not None and self.group.rank() != 0:
-            self.thread = None  # a rank without clients runs the loop in ``follow``
+            self.finished = None  # a rank without clients runs the loop in ``follow``
             self._options = decoder_options
             return
-        self.thread.start()
+        self.finished = run_parked(lambda: self._run(decoder_options, started))
         started.wait()
         if self.decoder is None:
             raise RuntimeError("the decoding engine failed to start (see the error above)")
@@ -307,7 +306,7 @@ class Engine:
         with self.wake:
             self.stopping = True
             self.wake.notify()
-        self.thread.join()
+        self.finished.wait()
 
     @property
     def queued(self) -> int:
@@ -345,7 +344,7 @@ class Engine:
             self.dead = True
             traceback.print_exc()
         finally:
-            with self.wake:  # the thread ends: nothing more is queued for it
+            with self.wake:  # the loop ends: nothing more is queued for it
                 self.stopping = True
                 ended = list(self.running.values()) + list(self.waiting) + list(self.arrived)
                 self.waiting.clear()
