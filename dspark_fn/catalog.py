@@ -82,7 +82,9 @@ def load_named(model: str | None = None, draft: str | None = None, quant_target:
     local paths; ``dtype`` casts the target's float weights (e.g. bf16
     releases to float32, the fast dtype on CPUs); ``quant_target`` (4 or 8)
     then quantizes it, so the draft shares the quantized embedding and head.
-    ``lazy``: a checkpoint directory's tensors are read when first evaluated."""
+    ``lazy``: a checkpoint directory's tensors are read when first evaluated;
+    otherwise the weights are evaluated here (``checkpoints.materialised``),
+    so any thread can decode with them."""
     from . import checkpoints
     from .hub import fetch
 
@@ -92,6 +94,8 @@ def load_named(model: str | None = None, draft: str | None = None, quant_target:
     draft_dir = fetch(draft, "draft")
     config, target_params, tokenizer = load_target_named(target, quant_target, dtype, lazy)
     params = checkpoints.pair_with_draft(config, target_params, draft_dir)
+    if not lazy:
+        params = checkpoints.materialised(params)
     return params._replace(vision=vision_named(target, dtype)), tokenizer, config
 
 

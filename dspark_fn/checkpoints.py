@@ -211,7 +211,17 @@ def load(target_dir, draft_dir) -> Params:
     from .vision import load_vision
 
     adapter, target_spec, target_params, _ = load_target(target_dir)
-    return with_draft(adapter, target_spec, target_params, draft_dir)._replace(vision=load_vision(target_dir))
+    params = materialised(with_draft(adapter, target_spec, target_params, draft_dir))
+    return params._replace(vision=load_vision(target_dir))
+
+
+def materialised(params: Params) -> Params:
+    """``params`` with the target's and the draft's weights evaluated here:
+    MLX evaluates a pending array only on the thread that built it, so
+    weights left pending by loading (casts, the draft's shared rows) could
+    not decode on any other thread."""
+    mx.eval(params.target, params.draft)
+    return params
 
 
 def save_draft(directory, config: dict, weights: dict) -> Path:

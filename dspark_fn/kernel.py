@@ -22,6 +22,8 @@ from typing import Callable
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from .threads import note_decoding_thread
+
 TRACE_COUNTS: Counter = Counter()
 TRACES: list = []  # (name, kernel number, argument signature) of each trace, in order
 _kernel_numbers = itertools.count()
@@ -81,6 +83,7 @@ def compiled(name: str, fn: Callable) -> Callable:
     kernel = mx.compile(traced)
 
     def call(*args):
+        note_decoding_thread()  # its kernels are released when it ends: the exit waits for that (threads.py)
         arguments["skeleton"] = _skeleton(args)
         return kernel(*_plain(args))
 

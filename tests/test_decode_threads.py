@@ -1,12 +1,16 @@
-"""Engines decode on threads that never end (``serve.decode_threads``).
+"""Decoding on threads other than the main one (``dspark_fn.threads``).
 
-MLX releases a thread's compiled kernels when the thread ends, which calls
-into Python; a decoding thread that ended while the interpreter was
-finalising aborted the process. The first test is a program that serves one
-request, closes its engine and exits at once (with the engine's thread
-ending on close, it aborted five times out of five); the second shows the
-thread is kept: a later engine on the same weights compiles nothing (on a
-fresh thread every kernel compiled again).
+MLX evaluates a pending array only on the thread that built it, and
+releases a thread's compiled kernels when the thread ends, through Python:
+a thread that ended just before the program exited aborted it. Each test
+breaks when its guard goes: a program that serves one request, closes its
+engine and exits at once (aborted five times out of five with the engine's
+thread ending on close and no wait at exit); a pair loaded on the main
+thread decoding on a pool's worker (without ``materialised`` at load:
+"There is no Stream(cpu, 0) in current thread"; without the exit's wait
+for the ended worker: aborted in two runs of three); a later engine on
+the same weights compiling nothing (on a fresh thread every kernel
+compiled again).
 """
 
 import subprocess
@@ -57,6 +61,27 @@ def test_a_program_that_closes_its_engine_and_exits_at_once_exits_cleanly(pair_d
     """)
     done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
+    assert "terminate called" not in done.stderr
+
+
+def test_a_pair_loaded_on_one_thread_decodes_on_a_pool_thread_and_the_program_exits_cleanly(pair_dirs):
+    target, draft = pair_dirs
+    program = textwrap.dedent(f"""
+        from concurrent.futures import ThreadPoolExecutor
+        from dspark_fn import generate
+        from dspark_fn.catalog import load_named
+
+        params = load_named({str(target)!r}, {str(draft)!r})[0]
+        def tokens():
+            return [t for event in generate(params, {PROMPT!r}, {NEW_TOKENS}, width=4) for t in event.emitted]
+        on_main = tokens()
+        with ThreadPoolExecutor(1) as pool:  # its worker ends here, and the program exits at once
+            on_worker = pool.submit(tokens).result()
+        print("same" if on_worker == on_main else f"differ: {{on_worker}} against {{on_main}}")
+    """)
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "same"
     assert "terminate called" not in done.stderr
 
 

@@ -65,8 +65,8 @@ from ..kernel import TRACE_COUNTS
 from ..prefilling import score_prompt
 from ..sampling import GREEDY, Sampling
 from ..stats import Tally
+from ..threads import run_parked
 from ..types import Ended, ImagePrompt, Params, TokenLogProbs, prompt_key
-from .decode_threads import run_parked
 
 RETRY_AFTER = 1  # seconds a refused client is asked to wait before trying again
 
@@ -236,8 +236,8 @@ def running_batch(requests: int, max_batch: int) -> int:
 
 
 class Engine:
-    """The decoding loop, on a thread of its own (``decode_threads``: it
-    parks when the loop ends). ``submit`` queues a request; ``close``
+    """The decoding loop, on a thread of its own (``threads.run_parked``:
+    it parks when the loop ends). ``submit`` queues a request; ``close``
     cancels what is in flight and ends the loop."""
 
     def __init__(self, params: Params, max_batch: int = 8, max_context: int = 4096,
