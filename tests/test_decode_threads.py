@@ -24,9 +24,7 @@ from dspark_fn.catalog import load_named
 from dspark_fn.kernel import TRACE_COUNTS
 from dspark_fn.serve.engine import Engine, Request
 from published import qwen3_pair
-
-PROMPT = [5, 17, 42, 8, 99, 23, 61, 7]
-NEW_TOKENS = 12
+from test_serve_supervision import NEW_TOKENS, PROMPT, new_engine
 
 
 @pytest.fixture(scope="module")
@@ -87,11 +85,11 @@ def test_a_pair_loaded_on_one_thread_decodes_on_a_pool_thread_and_the_program_ex
 
 def test_a_later_engine_runs_on_the_parked_thread_and_compiles_nothing(pair_dirs):
     params = load_named(*map(str, pair_dirs), dtype=mx.float32)[0]
-    first = Engine(params, max_batch=2, max_context=512, width=4)
+    first = new_engine(params)
     expected = served_tokens(first)
     first.close()
     compiled = sum(TRACE_COUNTS.values())
-    second = Engine(params, max_batch=2, max_context=512, width=4)
+    second = new_engine(params)
     try:
         assert served_tokens(second) == expected
     finally:
