@@ -59,6 +59,7 @@ from mlx.utils import tree_flatten
 
 from ..buffers import capacity_for, init_cache, row_cache
 from ..cache import Cache
+from ..checkpoints import materialised
 from ..constraints import Constraint, Grammar
 from ..driver import TOP_LOG_PROBS, Decoder, token_scores
 from ..kernel import TRACE_COUNTS
@@ -257,9 +258,7 @@ class Engine:
         self.stopping = False
         self.failure: str | None = None  # the last failure, until the engine runs again
         self.dead = False  # failed and could not start again
-        # MLX evaluates an array on the thread that built it: materialise the
-        # weights here, and let the engine thread build all decoding state.
-        mx.eval(params.target, params.draft)
+        materialised(params)  # params built by hand may be pending; the engine thread builds all decoding state
         self.decoder, started = None, threading.Event()
         if self.group is not None and self.group.rank() != 0:
             self.finished = None  # a rank without clients runs the loop in ``follow``
