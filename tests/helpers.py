@@ -2,7 +2,9 @@
 
 import json
 import os
+import random
 import socket
+import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -360,3 +362,23 @@ def running(app):
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+def ring_launcher(ranks: int) -> list[str]:
+    """``mlx.launch`` over the ring backend on ``ranks`` local processes, at
+    ports free when called. The ring binds one port per rank from its starting
+    port; they are taken below Linux's ephemeral range (32768 and up) because a
+    port there can be held, as a client connection's end or in TIME_WAIT, by
+    any of the suite's HTTP requests, and the rank that cannot bind it exits."""
+    rng = random.Random()
+    for _ in range(100):
+        start = rng.randrange(20000, 32768 - ranks)
+        try:
+            for port in range(start, start + ranks):
+                with socket.socket() as probe:
+                    probe.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        launcher = Path(sys.executable).parent / "mlx.launch"  # installed with mlx beside this interpreter
+        return [str(launcher), "-n", str(ranks), "--backend", "ring", "--starting-port", str(start)]
+    raise RuntimeError("no run of free ports below 32768 for the ring backend")

@@ -22,7 +22,6 @@ Breaks tried, and what caught them:
 
 import json
 import os
-import random
 import shutil
 import subprocess
 import sys
@@ -31,7 +30,7 @@ from pathlib import Path
 import pytest
 
 from dspark_fn.distributed import check_split
-from helpers import PARITY, build_draft, build_target, draft_config, target_config
+from helpers import PARITY, build_draft, build_target, draft_config, ring_launcher, target_config
 from hybrids import HYBRID_SHAPES, hybrid_draft_config
 
 HERE = Path(__file__).parent
@@ -44,11 +43,11 @@ TARGETS = {
 }
 
 
-def launch(ranks: int, script: Path, *arguments, timeout: int = 300) -> subprocess.CompletedProcess:
-    """``script`` on ``ranks`` local processes over the ring backend."""
-    launcher = Path(sys.executable).parent / "mlx.launch"  # installed with mlx beside this interpreter
-    command = [str(launcher), "-n", str(ranks), "--backend", "ring",
-               "--starting-port", str(random.randint(20000, 60000)), sys.executable, str(script), *map(str, arguments)]
+def launch(ranks: int, script: Path, *arguments, timeout: int = 600) -> subprocess.CompletedProcess:
+    """``script`` on ``ranks`` local processes over the ring backend. The
+    timeout only ends a hang: the six pipeline families take about 3 minutes
+    on 2 idle cores, and ranks that wait on each other stretch with any load."""
+    command = [*ring_launcher(ranks), sys.executable, str(script), *map(str, arguments)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
 

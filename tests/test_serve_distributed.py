@@ -12,13 +12,12 @@ Breaks tried, and what caught them:
   request hangs until its timeout.
 """
 
-import random
-import sys
 import threading
 from pathlib import Path
 
 import pytest
 
+from helpers import ring_launcher
 from published import qwen3_pair
 from test_serve import chat, reference_text, reference_tokens, running_server
 
@@ -45,9 +44,7 @@ def library(pair):
 
 @pytest.fixture(scope="module")
 def server(pair):
-    launcher = (str(Path(sys.executable).parent / "mlx.launch"), "-n", "2", "--backend", "ring",
-                "--starting-port", str(random.randint(20000, 60000)))
-    with running_server(pair, max_batch=4, launcher=launcher) as running:
+    with running_server(pair, max_batch=4, launcher=tuple(ring_launcher(2))) as running:
         yield running
 
 
