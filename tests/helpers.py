@@ -343,15 +343,20 @@ class TargetRunner:
         return np.array(self.adapter.logits(self.spec, self.params, hidden)[0])
 
 
+def free_port() -> int:
+    """A local TCP port free when called (the system's pick)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 @contextmanager
 def running(app):
     """An ASGI ``app`` served by uvicorn on a free local port, in a thread, for
     the ``with`` block: its base URL."""
     import uvicorn
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -364,15 +369,14 @@ def running(app):
         thread.join(timeout=10)
 
 
-def ring_launcher(ranks: int) -> list[str]:
+def ring_launcher(ranks: int) -> tuple[str, ...]:
     """``mlx.launch`` over the ring backend on ``ranks`` local processes, at
     ports free when called. The ring binds one port per rank from its starting
     port; they are taken below Linux's ephemeral range (32768 and up) because a
     port there can be held, as a client connection's end or in TIME_WAIT, by
     any of the suite's HTTP requests, and the rank that cannot bind it exits."""
-    rng = random.Random()
     for _ in range(100):
-        start = rng.randrange(20000, 32768 - ranks)
+        start = random.randrange(20000, 32768 - ranks)
         try:
             for port in range(start, start + ranks):
                 with socket.socket() as probe:
@@ -380,5 +384,5 @@ def ring_launcher(ranks: int) -> list[str]:
         except OSError:
             continue
         launcher = Path(sys.executable).parent / "mlx.launch"  # installed with mlx beside this interpreter
-        return [str(launcher), "-n", str(ranks), "--backend", "ring", "--starting-port", str(start)]
+        return str(launcher), "-n", str(ranks), "--backend", "ring", "--starting-port", str(start)
     raise RuntimeError("no run of free ports below 32768 for the ring backend")

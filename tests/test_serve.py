@@ -14,7 +14,6 @@ Breaks tried, and the tests that catch them:
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -31,7 +30,7 @@ import pytest
 import dspark_fn
 from dspark_fn.checkpoints import load_tokenizer
 from dspark_fn.chat import chat_tokens, stop_tokens
-from helpers import build_draft, build_target, mlx_lm_greedy
+from helpers import build_draft, build_target, free_port, mlx_lm_greedy
 from numerics import fp32_bound
 from hybrids import HYBRID_SHAPES, hybrid_draft_config
 from published import qwen3_pair, qwen_tokenizer
@@ -67,9 +66,7 @@ def running_server(root, max_batch: int, verify: str | int = "auto", launcher: t
     """``dspark serve`` of ``root/target`` + ``root/draft`` (started through
     ``launcher``, e.g. ``mlx.launch -n 2``): ``(base url, process, log)``;
     stopped on leaving, whatever happened (killed if SIGTERM does not end it)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     log = root / "server.log"
     process = subprocess.Popen(
         [*launcher, sys.executable, "-m", "dspark_fn.cli", "serve", "--model", str(root / "target"), "--draft", str(root / "draft"),

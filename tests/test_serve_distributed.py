@@ -44,7 +44,7 @@ def library(pair):
 
 @pytest.fixture(scope="module")
 def server(pair):
-    with running_server(pair, max_batch=4, launcher=tuple(ring_launcher(2))) as running:
+    with running_server(pair, max_batch=4, launcher=ring_launcher(2)) as running:
         yield running
 
 

@@ -29,7 +29,6 @@ Breaks tried, and the tests that catch them:
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -47,6 +46,7 @@ import dspark_fn
 from dspark_fn.checkpoints import load_tokenizer
 from dspark_fn.serve.app import Server, create_app, serve
 from dspark_fn.serve.engine import Engine, Request
+from helpers import free_port
 from published import qwen3_pair
 from test_serve import continued, post, reference_tokens
 
@@ -68,12 +68,6 @@ def library(tmp_path_factory):
 
 def new_engine(params) -> Engine:
     return Engine(params, max_batch=2, max_context=512, width=4)  # a fixed width: no cost measurement
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def health(base: str) -> tuple[int, dict]:
