@@ -106,18 +106,29 @@ def check_image_arguments(args) -> None:
         raise SystemExit("dspark: --compare runs mlx-lm's text model alone, which reads no images: drop one of them")
 
 
-def image_prompt_list(args, params, tokenizer) -> list:
+def read_images(paths: list) -> list:
+    """The ``--image`` files decoded before the model loads, so that a missing
+    file or one that is no image is refused (a ``ValueError`` naming it)
+    without that wait."""
+    from .vision import read_image
+
+    return [read_image(path, index) for index, path in enumerate(paths)]
+
+
+def image_prompt_list(args, params, tokenizer, images: list) -> list:
     """The one prompt of ``--image`` runs: its images then its text in a user
     turn, through the chat template and the release's processor."""
     from .chat import image_turn, template_text
-    from .vision import image_prompt
+    from .vision import image_prompt, refusal
 
+    if params.vision is None:  # refused before a text model's chat template meets the image parts it cannot lay out
+        raise SystemExit("dspark: " + refusal(params.spec.target.model_type))
     if tokenizer is None:
         raise SystemExit("dspark: this model has no tokenizer, so it cannot lay out a prompt with images")
     turns = [{"role": "system", "content": args.system}] if args.system else []
     text = template_text(tokenizer, turns + [image_turn(prompt_texts(args)[0], len(args.image))],
                          think=not args.no_think)
-    return [image_prompt(params, text, args.image)]
+    return [image_prompt(params, text, images)]
 
 
 def parse_width(text: str):
@@ -237,8 +248,9 @@ def run_generate(args) -> int:
 
     if args.image:
         check_image_arguments(args)
+    images = read_images(args.image) if args.image else []
     params, tokenizer, config = load(args)
-    prompts = image_prompt_list(args, params, tokenizer) if args.image else prompt_list(args, tokenizer)
+    prompts = image_prompt_list(args, params, tokenizer, images) if images else prompt_list(args, tokenizer)
     if args.compare and len(prompts) > 1:
         raise SystemExit("dspark: --compare takes a single prompt")
     stop = stop_ids(tokenizer)
@@ -412,16 +424,19 @@ def run_serve(args) -> int:
         from .serve.app import serve, system_fingerprint
         from .serve.engine import Engine
         from .serve.structured import Grammars
-        from .serve.images import ImageSources
     except ImportError as missing:
         raise SystemExit(f"dspark serve needs its extra: pip install 'dspark-fn[serve]' ({missing})") from None
     from .catalog import resolve
 
-    keys = read_keys(args.api_key, args.api_key_file)
+    try:
+        keys = read_keys(args.api_key, args.api_key_file)
+    except (ValueError, OSError) as bad:
+        raise SystemExit(f"dspark: {bad}") from None
     if not keys and not is_loopback(args.host) and not args.no_api_key:
         raise SystemExit(f"dspark: --host {args.host} lets other machines reach the server, and it has no API key: "
                          f"pass --api-key KEY (or --api-key-file FILE, or set {KEY_VARIABLE}), or --no-api-key to "
                          f"serve anyone who can reach the port")
+    images = image_sources(args)
     params, tokenizer, _ = load(args)
     if tokenizer is None:
         raise SystemExit("dspark: this model has no tokenizer; the server needs one to read requests")
@@ -439,10 +454,26 @@ def run_serve(args) -> int:
     print(f"dspark: serving {name} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     options = dict(fingerprint=system_fingerprint(name, resolve(args.model, args.draft)[1]), api_keys=keys,
                    max_body_bytes=int(args.max_body_mb * (1 << 20)),
-                   image_sources=ImageSources(files=args.allow_image_files, urls=args.allow_image_urls))
+                   image_sources=images)
     if serve(engine, tokenizer, name, args.host, args.port, **options):
         raise SystemExit(f"dspark: the decoding engine failed and could not start again ({engine.failure})")
     return 0
+
+
+def image_sources(args):
+    """The serve flags about images as ``ImageSources``, refused at start when they cannot work."""
+    from pathlib import Path
+
+    from .serve.images import ImageSources
+    from .vision import MAX_IMAGE_PIXELS
+
+    files = None if args.allow_image_files is None else Path(args.allow_image_files)
+    if files is not None and not files.is_dir():
+        raise SystemExit(f"dspark: --allow-image-files {files} is not a directory")
+    if args.max_images < 1 or (args.max_image_pixels is not None and args.max_image_pixels < 1):
+        raise SystemExit("dspark: --max-images and --max-image-pixels take a positive number")
+    return ImageSources(files=files, urls=args.allow_image_urls, max_images=args.max_images,
+                        max_pixels=args.max_image_pixels or MAX_IMAGE_PIXELS)
 
 
 def run_doctor(args) -> int:
@@ -460,7 +491,8 @@ class ShowVersion(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None):
         from .doctor import version_line
 
-        parser.exit(message=version_line() + "\n")
+        print(version_line())  # stdout, as --version has it by convention (parser.exit's message goes to stderr)
+        parser.exit()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -565,10 +597,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--no-api-key", action="store_true",
                        help="serve without a key on an address other machines reach (refused otherwise)")
     serve.add_argument("--max-body-mb", type=float, default=16, help="largest request body taken (413 past it)")
-    serve.add_argument("--allow-image-files", action="store_true",
-                       help="read file:// image URLs in messages (files of this machine); data: URLs are always read")
+    serve.add_argument("--allow-image-files", metavar="DIR",
+                       help="read file:// image URLs in messages that name regular files under DIR (symlinks out "
+                       "of it refused); data: URLs are always read")
     serve.add_argument("--allow-image-urls", action="store_true",
-                       help="fetch http(s):// image URLs in messages (the server reaches out to them)")
+                       help="fetch http(s):// image URLs in messages from public addresses (the server reaches out "
+                       "to them; 10 s and 32 MiB a fetch, redirects included)")
+    serve.add_argument("--max-images", type=int, default=8, metavar="N",
+                       help="images one request may bring (400 past it, before any is read)")
+    serve.add_argument("--max-image-pixels", type=int, metavar="N",
+                       help="decoded pixels a request's images may have together, as their headers state them (400 "
+                       "past it, before any is decoded); default 33,554,432, what one image may have")
     serve.add_argument("--max-queue", type=int, default=64,
                        help="requests that may wait for a row; past it new ones get 429 with Retry-After")
     serve.add_argument("--queue-timeout", type=float, default=600,

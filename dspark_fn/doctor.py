@@ -100,11 +100,23 @@ def blas_finding() -> Finding:
     return Finding("BLAS", lines, problems)
 
 
+def stored_curves(path: Path) -> dict:
+    """The cost cache's curves by key; a ``ValueError`` when the file holds
+    something else (cut short by a crash, edited by hand)."""
+    try:
+        entries = json.loads(path.read_text())
+    except json.JSONDecodeError:
+        entries = None  # refused below with any other layout
+    if not isinstance(entries, dict) or not all(isinstance(entry, dict) for entry in entries.values()):
+        raise ValueError("not a JSON object of cost curves")
+    return entries
+
+
 def cost_curves(path: Path, here: str) -> list[str]:
     """A line on the curves measured here (this machine and BLAS) and one on the others."""
     if not path.is_file():
         return [f"cost curves: none yet ({path.name} is written on first use of the verify width 'auto')"]
-    entries = json.loads(path.read_text())
+    entries = stored_curves(path)
     mine = [entry for entry in entries.values() if entry.get("machine") == here]
     others = len(entries) - len(mine)
     lines = [f"cost curves: {path}: {len(mine)} for this machine and BLAS"
@@ -135,7 +147,13 @@ def caches() -> Finding:
     copies = sorted((root / "openblas").glob("*/libopenblas.so.0"))
     if copies:
         lines.append(f"OpenBLAS copies: {', '.join(str(copy.parent.name) for copy in copies)} in {root / 'openblas'}")
-    lines += cost_curves(cost_cache_path(), device_key())
+    costs = cost_cache_path()
+    try:
+        lines += cost_curves(costs, device_key())
+    except (OSError, ValueError) as error:
+        lines.append(f"cost curves: {costs} cannot be read")
+        problems.append((f"the cost cache {costs} cannot be read ({getattr(error, 'strerror', None) or error})",
+                         f"delete {costs}; the curves in it are measured again on the next run"))
     kernels = mlx_kernel_dir(mx.__version__)
     count = len(list(kernels.iterdir())) if kernels.is_dir() else 0
     lines.append(f"MLX's compiled kernels: {count} in {kernels} (a reboot may empty it; they are compiled again "
@@ -186,12 +204,26 @@ def models() -> Finding:
     return Finding("models", lines, problems)
 
 
+def checked(topic: str, check) -> Finding:
+    """``check()``; when it raises, a finding for ``topic`` that names what
+    failed, so that one broken check leaves the others to report."""
+    try:
+        return check()
+    except Exception as error:
+        failure = f"{type(error).__name__}: {error}"
+        return Finding(topic, [f"not checked ({failure})"], [(
+            f"the {topic} check failed ({failure})",
+            f"see the whole error: python -c 'from dspark_fn import doctor; doctor.{check.__name__}()'")])
+
+
 def run(out=None) -> int:
-    """Print the report; the exit status is 1 when there is a problem to fix."""
+    """Print the report, each check on its own (one that raises is reported
+    as a problem); the exit status is 1 when there is a problem to fix."""
     out = out or sys.stdout
     problems = []
-    for check in (versions, device, blas_finding, caches, models):
-        finding = check()
+    for topic, check in (("versions", versions), ("device", device), ("BLAS", blas_finding), ("caches", caches),
+                         ("models", models)):
+        finding = checked(topic, check)
         for index, line in enumerate(finding.lines):
             print(f"{finding.topic if index == 0 else '':<10}{line}", file=out)
         problems += finding.problems

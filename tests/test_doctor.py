@@ -4,7 +4,9 @@ cache folder of its own and the hub switched off.
 
 Breaks tried: the doctor not reporting a BLAS load failure as a problem (the
 wrong-path case exited 0), the calibration printing no estimate (the
-first-run case), the version line leaving out mlx-vlm.
+first-run case), the version line leaving out mlx-vlm, a corrupt cost cache
+ending the report with a one-line error and no fix, one check raising and
+taking the checks after it along.
 """
 
 import io
@@ -18,7 +20,7 @@ from pathlib import Path
 import pytest
 
 import dspark_fn
-from dspark_fn import blas
+from dspark_fn import blas, doctor
 from dspark_fn.costs import CalibrationStatus
 from dspark_fn.progress import Status
 
@@ -70,6 +72,43 @@ def test_doctor_names_each_problem_with_its_fix(tmp_path):
     assert done.returncode == 1
     assert f"the cache folder {blocked / 'cache'} cannot be written" in done.stdout
     assert "fix: export DSPARK_FN_CACHE=<a writable folder>" in done.stdout
+
+
+def test_doctor_names_a_corrupt_cost_cache_with_its_fix_and_goes_on(tmp_path):
+    corrupt = tmp_path / "verify_costs.json"
+    corrupt.write_text('{"cut short": {"draft": 0.0')
+    done = dspark("doctor", cache=tmp_path, DSPARK_NO_OPENBLAS="1")
+    assert done.returncode == 1 and done.stderr == "", done.stderr
+    problems = done.stdout.split("problems", 1)[1]
+    assert f"the cost cache {corrupt} cannot be read" in problems
+    assert f"fix: delete {corrupt}; the curves in it are measured again on the next run" in problems
+    assert "unreachable (HF_HUB_OFFLINE is set)" in done.stdout  # the models check, after the caches
+
+
+@pytest.mark.parametrize("text", ["not json", "[1, 2]", '{"key": "not a curve"}'])
+def test_a_cost_cache_in_another_layout_is_a_problem_not_an_error(tmp_path, monkeypatch, text):
+    monkeypatch.setenv("DSPARK_FN_CACHE", str(tmp_path))
+    (tmp_path / "verify_costs.json").write_text(text)
+    finding = doctor.caches()
+    assert [problem for problem, _ in finding.problems] == [
+        f"the cost cache {tmp_path / 'verify_costs.json'} cannot be read (not a JSON object of cost curves)"]
+
+
+def test_a_check_that_raises_is_a_problem_and_the_others_still_run(tmp_path, monkeypatch):
+    def device():
+        raise RuntimeError("no device answers")
+
+    monkeypatch.setattr(doctor, "device", device)
+    monkeypatch.setattr(doctor, "hub_answers", lambda: "switched off in this test")
+    monkeypatch.setenv("DSPARK_FN_CACHE", str(tmp_path))
+    out = io.StringIO()
+    assert doctor.run(out) == 1
+    report = out.getvalue()
+    for topic in ("versions", "device", "BLAS", "caches", "models"):
+        assert any(line.startswith(topic) for line in report.splitlines()), (topic, report)
+    problems = report.split("problems", 1)[1]
+    assert "the device check failed (RuntimeError: no device answers)" in problems
+    assert "fix: " in problems.split("the device check failed", 1)[1].splitlines()[1]
 
 
 def test_the_first_run_shows_its_calibration_with_an_estimate_and_the_cache(parity_dir, tmp_path):

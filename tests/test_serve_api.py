@@ -303,7 +303,7 @@ def test_a_stop_sequence_ends_the_message(served):
 
 @pytest.mark.parametrize("body, error, message", [
     ({"messages": [{"role": "user", "content": "x"}]}, "BadRequestError", "'max_tokens' is required"),
-    ({"max_tokens": 4, "messages": []}, "BadRequestError", "'messages' must be a non-empty list"),
+    ({"max_tokens": 4, "messages": []}, "BadRequestError", "'messages' must hold at least 1 item"),
     ({"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
      "BadRequestError", "'image' are not supported"),
     ({"max_tokens": 4, "model": "claude", "messages": [{"role": "user", "content": "x"}]}, "NotFoundError",

@@ -6,26 +6,49 @@ release (``multimodal.py``) served in this process.
   template (what ``dspark generate --image`` runs);
 - a second turn about the same image reuses the first turn's cache
   (``cached_tokens`` in ``usage``) and never encodes the image again;
-- ``file://`` URLs only behind ``--allow-image-files``, ``http(s)://`` only
-  behind ``--allow-image-urls`` (a failed fetch named), and bad images (not
-  base64, truncated, a decompression bomb, too many for the context, sent to
-  a text-only target) get a 400 naming the problem before anything is queued.
+- ``file://`` URLs only behind ``--allow-image-files DIR``, ``http(s)://``
+  only behind ``--allow-image-urls`` (a failed fetch named), and bad images
+  (not base64, truncated, a decompression bomb, more than ``--max-images``,
+  more pixels together than ``--max-image-pixels``, too many for the
+  context, sent to a text-only target) get a 400 naming the problem before
+  anything is queued.
+
+``ImageSources`` on its own, no model:
+
+- a file is read only if it is a regular file under the directory:
+  ``/dev/zero`` and a FIFO are refused at once (never read, never waited
+  on), and a missing file, one outside the directory and a symlink out of it
+  get one and the same message;
+- the image count is refused before any image is read, and the pixels the
+  headers state before any image is decoded;
+- a fetch reaches only public addresses (the first URL's and every
+  redirect's), follows at most three redirects, and ends at one deadline
+  however slowly, and steadily, the server sends.
 """
 
 import base64
 import http.server
 import io
+import os
+import socket
 import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
 from types import SimpleNamespace
+from urllib.parse import unquote
 
 import pytest
 
 import dspark_fn
 from dspark_fn.catalog import load_named
 from dspark_fn.chat import stop_tokens
+from dspark_fn.cli import build_parser, image_sources
+from dspark_fn.serve import images
 from dspark_fn.serve.app import create_app
 from dspark_fn.serve.engine import Engine
-from dspark_fn.serve.images import ImageSources
+from dspark_fn.serve.errors import ApiError
+from dspark_fn.serve.images import FILE_REFUSAL, ImageSources, is_public_address
 from dspark_fn.vision import image_prompt
 from helpers import running
 from multimodal import chat_text, synthetic_image, write_pair
@@ -61,13 +84,25 @@ def release(tmp_path_factory):
 
 
 class Files(http.server.SimpleHTTPRequestHandler):
+    """The files of its directory; ``/redirect?to=URL`` answers a 302 to URL, ``/loop`` a 302 to itself."""
+
+    def do_GET(self):
+        path, _, query = self.path.partition("?")
+        if path in ("/redirect", "/loop"):
+            self.send_response(302)
+            self.send_header("Location", unquote(query.removeprefix("to=")) if path == "/redirect" else "/loop")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        super().do_GET()
+
     def log_message(self, *args):
         pass
 
 
 @pytest.fixture(scope="module")
 def web(tmp_path_factory):
-    """A local web server of ``picture.png``."""
+    """A local web server of ``picture.png`` (and of ``Files``' redirects)."""
     root = tmp_path_factory.mktemp("web")
     (root / "picture.png").write_bytes(png_bytes(IMAGE))
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), lambda *a: Files(*a, directory=str(root)))
@@ -91,9 +126,17 @@ def strict(release, engine):
 
 
 @pytest.fixture(scope="module")
-def open_server(release, engine):
-    """Started with --allow-image-files --allow-image-urls."""
-    with running(create_app(engine, release.tokenizer, "m", image_sources=ImageSources(files=True, urls=True))) as base:
+def image_dir(tmp_path_factory):
+    """The directory ``open_server`` reads image files from."""
+    return tmp_path_factory.mktemp("image-dir")
+
+
+@pytest.fixture(scope="module")
+def open_server(release, engine, image_dir):
+    """Started with --allow-image-files DIR --allow-image-urls --max-images 64,
+    and let fetch from this machine (the tests' web server is on 127.0.0.1)."""
+    sources = ImageSources(files=image_dir, urls=True, max_images=64, allow_private_hosts=True)
+    with running(create_app(engine, release.tokenizer, "m", image_sources=sources)) as base:
         yield openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
 
 
@@ -160,8 +203,8 @@ def test_another_image_of_the_same_size_is_not_served_from_the_cache(release, st
     assert expected != reference_text(release, chat_text(release.tokenizer, QUESTION, 1), [IMAGE])
 
 
-def test_file_and_web_images_only_when_allowed(release, strict, open_server, web, tmp_path):
-    path = tmp_path / "picture.png"
+def test_file_and_web_images_only_when_allowed(release, strict, open_server, web, image_dir):
+    path = image_dir / "picture.png"
     path.write_bytes(png_bytes(IMAGE))
     expected = reference_text(release, chat_text(release.tokenizer, QUESTION, 1), [IMAGE])
     for url, flag in ((path.as_uri(), "--allow-image-files"), (web + "/picture.png", "--allow-image-urls")):
@@ -172,8 +215,8 @@ def test_file_and_web_images_only_when_allowed(release, strict, open_server, web
         assert reply.choices[0].message.content == expected
     with pytest.raises(openai.BadRequestError, match="HTTP 404"):
         open_server.chat.completions.create(model="m", messages=[image_message(web + "/missing.png")])
-    with pytest.raises(openai.BadRequestError, match="cannot be read"):
-        open_server.chat.completions.create(model="m", messages=[image_message((tmp_path / "gone.png").as_uri())])
+    with pytest.raises(openai.BadRequestError, match="image file URL not readable"):
+        open_server.chat.completions.create(model="m", messages=[image_message((image_dir / "gone.png").as_uri())])
 
 
 @pytest.mark.parametrize("url, message", [
@@ -191,10 +234,27 @@ def test_bad_images_get_a_400_before_anything_is_queued(engine, strict, url, mes
     assert engine.stats()["queue"] == before
 
 
-def test_too_many_images_for_the_context(strict):
+def test_too_many_images_for_the_context(open_server):
     url = data_url(png_bytes(IMAGE))
     message = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}] * 40}
     with pytest.raises(openai.BadRequestError, match=r"with its 40 image\(s\) takes \d+ tokens; the context holds 512"):
+        open_server.chat.completions.create(model="m", messages=[message], max_tokens=4)
+
+
+def test_more_images_than_max_images_are_refused(engine, strict):
+    """Nine of them, each fine alone (the default allows eight)."""
+    url = data_url(png_bytes(IMAGE))
+    message = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}] * 9}
+    before = engine.stats()["images_encoded"]
+    with pytest.raises(openai.BadRequestError, match=r"9 images in one request; at most 8 .*--max-images"):
+        strict.chat.completions.create(model="m", messages=[message], max_tokens=4)
+    assert engine.stats()["images_encoded"] == before
+
+
+def test_images_of_more_pixels_together_than_one_image_may_have_are_refused(strict):
+    """Two 5000 x 5000 headers: each under the one-image bound, together over the request's."""
+    message = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(png(5000, 5000))}}] * 2}
+    with pytest.raises(openai.BadRequestError, match="50,000,000 pixels; at most 33,554,432 are taken per request"):
         strict.chat.completions.create(model="m", messages=[message], max_tokens=4)
 
 
@@ -215,3 +275,247 @@ def test_images_to_a_text_target_are_refused(release):
         client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
         with pytest.raises(openai.BadRequestError, match=r"this target \(qwen3\) takes no images"):
             client.chat.completions.create(model="m", messages=[image_message(data_url(png_bytes(IMAGE)))])
+
+
+# ``ImageSources`` alone: files
+
+
+def outcome_within(seconds: float, read):
+    """What ``read()`` returned or raised; the test fails if it takes more than ``seconds``."""
+    outcome = []
+
+    def run():
+        try:
+            outcome.append(read())
+        except BaseException as error:  # MemoryError included: the old /dev/zero read
+            outcome.append(error)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert outcome, f"still reading after {seconds} s"
+    return outcome[0]
+
+
+def refusal(sources: ImageSources, url: str, seconds: float = 1.0) -> str:
+    """The message of the ``ApiError`` reading ``url`` raises, within ``seconds``."""
+    outcome = outcome_within(seconds, lambda: sources.read(url, "messages"))
+    assert isinstance(outcome, ApiError), f"{url} was read: {outcome!r}"[:200]
+    assert outcome.status == 400 and outcome.param == "messages"
+    return outcome.message
+
+
+def test_a_regular_file_under_the_directory_is_read(tmp_path):
+    (tmp_path / "sub").mkdir()
+    picture = tmp_path / "sub" / "picture.png"
+    picture.write_bytes(png_bytes(IMAGE))
+    (tmp_path / "alias.png").symlink_to(picture)  # a symlink that stays inside is followed
+    sources = ImageSources(files=tmp_path)
+    for path in (picture, tmp_path / "alias.png"):
+        assert sources.read(path.as_uri(), "messages") == png_bytes(IMAGE)
+
+
+def test_dev_zero_is_refused_not_read(tmp_path):
+    """``/dev/zero`` reports size 0: read by its size it never ends. Named in
+    the directory or through a symlink into it, it is refused at once."""
+    (tmp_path / "zero.png").symlink_to("/dev/zero")
+    assert refusal(ImageSources(files=Path("/dev")), "file:///dev/zero") == FILE_REFUSAL
+    assert refusal(ImageSources(files=tmp_path), (tmp_path / "zero.png").as_uri()) == FILE_REFUSAL
+
+
+def test_a_fifo_is_refused_without_waiting_for_a_writer(tmp_path):
+    fifo = tmp_path / "pipe.png"
+    os.mkfifo(fifo)
+    assert refusal(ImageSources(files=tmp_path), fifo.as_uri()) == FILE_REFUSAL
+
+
+def test_every_refused_file_gets_the_same_message(tmp_path):
+    """Missing, outside the directory (there, or through a symlink), a
+    directory, a FIFO: one message, naming no path, so a client cannot probe
+    which paths exist."""
+    allowed, outside = tmp_path / "allowed", tmp_path / "outside.png"
+    allowed.mkdir()
+    outside.write_bytes(png_bytes(IMAGE))
+    (allowed / "escape.png").symlink_to(outside)
+    (allowed / "folder").mkdir()
+    os.mkfifo(allowed / "pipe.png")
+    sources = ImageSources(files=allowed)
+    urls = [(allowed / name).as_uri() for name in ("missing.png", "escape.png", "folder", "pipe.png")]
+    urls += [outside.as_uri(), (allowed / ".." / "outside.png").as_uri(), "file:///etc/passwd"]
+    assert {refusal(sources, url) for url in urls} == {FILE_REFUSAL}
+
+
+def test_a_file_over_max_bytes_is_refused(tmp_path):
+    (tmp_path / "picture.png").write_bytes(png_bytes(IMAGE))
+    message = refusal(ImageSources(files=tmp_path, max_bytes=100), (tmp_path / "picture.png").as_uri())
+    assert "more than 100 bytes" in message
+
+
+# ``ImageSources`` alone: images per request and their pixels
+
+
+def test_too_many_images_are_refused_before_any_is_read():
+    """Nine URLs whose reading would fail: the count is what is refused."""
+    with pytest.raises(ApiError, match="9 images in one request; at most 8"):
+        ImageSources().read_all(["data:image/png;base64,@@@"] * 9, "messages")
+    with pytest.raises(ApiError, match="3 images in one request; at most 2"):
+        ImageSources(max_images=2).read_all([data_url(png_bytes(IMAGE))] * 3, "messages")
+
+
+def test_pixels_over_the_cap_are_refused_from_the_headers(monkeypatch):
+    """Headers that claim 3000 x 3000 over a few bytes of body: the sum is
+    refused at the third image, the fourth never read, nothing decoded."""
+    from PIL import ImageFile
+
+    decoded, read = [], []
+    monkeypatch.setattr(ImageFile.ImageFile, "load", lambda image: decoded.append(image))
+    sources = ImageSources(max_pixels=20_000_000)
+    monkeypatch.setattr(ImageSources, "read", lambda self, url, param: read.append(url) or png(3000, 3000))
+    with pytest.raises(ApiError, match=r"first 3 image\(s\) would decode into 27,000,000 pixels; at most 20,000,000"):
+        sources.read_all(["one", "two", "three", "four"], "messages")
+    assert read == ["one", "two", "three"] and not decoded
+
+
+def test_images_within_the_caps_are_read_whole():
+    picture = png_bytes(IMAGE)
+    assert ImageSources(max_images=2, max_pixels=2 * 24 * 40).read_all([data_url(picture)] * 2, "m") == [picture] * 2
+
+
+def test_a_payload_that_is_no_image_is_named_by_its_index():
+    urls = [data_url(png_bytes(IMAGE)), data_url(b"plain text, no image")]
+    with pytest.raises(ApiError, match="image 2 is not an image"):
+        ImageSources().read_all(urls, "messages")
+
+
+# ``ImageSources`` alone: fetches
+
+
+@pytest.mark.parametrize("address, public", [
+    ("93.184.216.34", True), ("2606:2800:220:1:248:1893:25c8:1946", True),
+    ("127.0.0.1", False), ("10.1.2.3", False), ("172.16.0.1", False), ("192.168.1.1", False),
+    ("169.254.169.254", False), ("100.64.0.1", False), ("0.0.0.0", False), ("224.0.0.1", False),
+    ("240.0.0.1", False), ("255.255.255.255", False), ("::1", False), ("::", False), ("fe80::1", False),
+    ("fc00::1", False), ("ff02::1", False), ("::ffff:127.0.0.1", False), ("::ffff:169.254.169.254", False),
+    ("::ffff:93.184.216.34", True),
+])
+def test_is_public_address(address, public):
+    assert is_public_address(address) is public
+
+
+def test_private_addresses_are_refused_without_connecting(web):
+    sources = ImageSources(urls=True)
+    for url in (web + "/picture.png", "http://169.254.169.254/latest/meta-data/", "http://[::1]/x.png",
+                "http://[::ffff:127.0.0.1]/x.png", "https://10.0.0.1/x.png", "http://0.0.0.0/x.png"):
+        assert "not at a public address" in refusal(sources, url)
+
+
+def test_a_host_with_one_private_address_among_public_ones_is_refused(monkeypatch):
+    """A connection may go to any address of the host, so all are vetted."""
+    monkeypatch.setattr(images, "host_addresses", lambda host, port: [
+        (socket.AF_INET, ("93.184.216.34", port)), (socket.AF_INET, ("10.0.0.5", port))])
+    assert "not at a public address" in refusal(ImageSources(urls=True), "http://images.example.com/a.png")
+
+
+@pytest.fixture
+def loopback_public(monkeypatch):
+    """127.0.0.1 counted public: the tests' web server stands for a public
+    one, while every other private address stays refused."""
+    vetted = images.is_public_address
+    monkeypatch.setattr(images, "is_public_address", lambda address: address == "127.0.0.1" or vetted(address))
+
+
+def test_a_fetch_from_a_public_address_reads_the_image(web, loopback_public):
+    assert ImageSources(urls=True).read(web + "/picture.png", "messages") == png_bytes(IMAGE)
+
+
+def test_a_redirect_is_vetted_as_the_first_url(web, loopback_public):
+    sources = ImageSources(urls=True, timeout=2)
+    assert sources.read(web + "/redirect?to=/picture.png", "messages") == png_bytes(IMAGE)
+    for target in ("http://169.254.169.254/latest/meta-data/", "http://[::1]/x.png", "http://10.0.0.1/x.png"):
+        assert "not at a public address" in refusal(sources, f"{web}/redirect?to={target}")
+    assert "only http(s)://" in refusal(sources, f"{web}/redirect?to=file:///etc/passwd")
+
+
+def test_at_most_three_redirects_are_followed(web, loopback_public):
+    assert "more than 3 redirects" in refusal(ImageSources(urls=True), web + "/loop")
+
+
+def test_fetch_failures_are_named(web):
+    sources = ImageSources(urls=True, allow_private_hosts=True, max_bytes=100)
+    assert refusal(sources, web + "/missing.png").endswith("failed: HTTP 404 Not Found")
+    assert "more than 100 bytes" in refusal(sources, web + "/picture.png")
+    assert "printable ASCII" in refusal(sources, web + "/a b\r\nX-Injected: 1")
+    port = free_local_port()
+    assert "the connection failed" in refusal(sources, f"http://127.0.0.1:{port}/x.png")
+
+
+def free_local_port() -> int:
+    with socket.create_server(("127.0.0.1", 0)) as probe:
+        return probe.getsockname()[1]
+
+
+@contextmanager
+def dribbling(answer: bytes, pause: float):
+    """A local server that answers each connection with ``answer``, one byte
+    every ``pause`` seconds: every read is quick, the whole answer slow."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.1)
+    done = threading.Event()
+
+    def serve():
+        while not done.is_set():
+            try:
+                connection, _ = listener.accept()
+            except TimeoutError:
+                continue
+            with connection:
+                connection.recv(65536)
+                for byte in answer:
+                    if done.wait(pause):
+                        break
+                    try:
+                        connection.sendall(bytes([byte]))
+                    except OSError:
+                        break
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}/slow.png"
+    finally:
+        done.set()
+        thread.join(5)
+        listener.close()
+
+
+@pytest.mark.parametrize("answer", [
+    b"HTTP/1.1 200 OK\r\nContent-Length: 80\r\n\r\n" + b"x" * 80,  # the body dribbles
+    b"HTTP/1.1 200 OK\r\nX-Padding: " + b"x" * 80 + b"\r\nContent-Length: 1\r\n\r\nx",  # the headers do
+], ids=["body", "headers"])
+def test_a_dribbling_server_is_cut_at_the_deadline(answer):
+    """80 bytes 50 ms apart take 4 s, each read a 20th of the 1 s timeout:
+    the fetch ends at its one deadline, not per read."""
+    with dribbling(answer, pause=0.05) as url:
+        started = time.monotonic()
+        message = refusal(ImageSources(urls=True, timeout=1.0, allow_private_hosts=True), url, seconds=3.0)
+        assert time.monotonic() - started < 1.5
+    assert message.endswith("failed: it took longer than 1 s")
+
+
+# ``dspark serve``'s image flags
+
+
+def test_the_serve_flags_make_the_image_sources(tmp_path):
+    def sources(*flags):
+        return image_sources(build_parser().parse_args(["serve", *flags]))
+
+    assert sources() == ImageSources()
+    assert sources("--allow-image-files", str(tmp_path), "--allow-image-urls", "--max-images", "3",
+                   "--max-image-pixels", "1000") == ImageSources(files=tmp_path, urls=True, max_images=3,
+                                                                 max_pixels=1000)
+    (tmp_path / "picture.png").write_bytes(b"x")
+    for path in (tmp_path / "picture.png", tmp_path / "missing"):
+        with pytest.raises(SystemExit, match="^dspark: --allow-image-files .* is not a directory$"):
+            sources("--allow-image-files", str(path))
+    with pytest.raises(SystemExit, match="positive"):
+        sources("--max-images", "0")

@@ -1,5 +1,5 @@
 """A supervised engine: a failure inside the decoding thread fails the requests
-in its batch with a 500 (streams: an error event, then the end), /health
+in its batch with a 500 (streams: an error event, then ``[DONE]``), /health
 answers 503 until the engine runs again, and the engine starts again with an
 empty batch; one that cannot start again ends every request and the server
 exits with 1. The app runs in this process (uvicorn in a thread) so that a
@@ -176,10 +176,10 @@ def test_a_failed_round_ends_a_stream_with_an_error_event(server, library, monke
     engine, base = server
     monkeypatch.setattr(engine.decoder, "step", failing_round)
     status, events = completion(base, stream=True)
-    assert status == 200  # the stream had started
-    error = events[-1]["error"]
+    assert status == 200  # the stream had started; it still ends as streams end
+    error = events[-2]["error"]
     assert error["code"] == "engine_failure" and "RuntimeError: injected fault" in error["message"]
-    assert "[DONE]" not in events
+    assert events[-1] == "[DONE]"
     until(lambda: health(base)[0] == 200, "engine restart")
     status, events = completion(base, stream=True)
     assert events[-1] == "[DONE]"

@@ -213,9 +213,9 @@ def test_a_streamed_response_sends_the_typed_events(served):
 
 
 @pytest.mark.parametrize("body, message", [
-    ({"input": []}, "'input' must be a string or a non-empty list"),
+    ({"input": []}, "'input' must hold at least 1 item"),
     ({"input": [{"type": "image", "url": "x"}]}, "input items of type 'image' are not supported"),
-    ({"input": "hi", "tools": [{"type": "web_search"}]}, "other tool types are not supported"),
+    ({"input": "hi", "tools": [{"type": "web_search", "name": "search"}]}, "'tools.0.type' must be 'function'"),
     ({"input": "hi", "text": {"format": {"type": "json_schema"}}}, "response_format json_schema needs"),
 ])
 def test_bad_responses_get_openai_errors(served, body, message):

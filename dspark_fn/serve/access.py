@@ -24,14 +24,30 @@ KEY_VARIABLE = "DSPARK_API_KEY"
 def read_keys(keys: list, key_file: str | None) -> tuple:
     """The keys given (``--api-key``, repeatable), those of ``key_file`` (one a
     line; blank lines and lines starting with # skipped) and of the
-    ``DSPARK_API_KEY`` environment variable."""
-    found = list(keys or [])
+    ``DSPARK_API_KEY`` environment variable. A key asked for and empty (an
+    unset shell variable, a file with no keys) is a ``ValueError``: taken as
+    given, it would let in requests that carry no key."""
+    found = [(key, "--api-key") for key in keys or []]
     if key_file:
-        lines = Path(key_file).read_text().splitlines()
-        found += [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
-    if os.environ.get(KEY_VARIABLE):
-        found.append(os.environ[KEY_VARIABLE])
-    return tuple(found)
+        lines = [line.strip() for line in Path(key_file).read_text().splitlines()]
+        in_file = [line for line in lines if line and not line.startswith("#")]
+        if not in_file:
+            raise ValueError(f"the key file {key_file} holds no keys: put one key a line in it")
+        found += [(key, key_file) for key in in_file]
+    if KEY_VARIABLE in os.environ:
+        found.append((os.environ[KEY_VARIABLE], KEY_VARIABLE))
+    return usable_keys(found)
+
+
+def usable_keys(found: list) -> tuple:
+    """The keys of ``(key, where it came from)`` pairs, each checked: not blank, no surrounding space."""
+    for key, source in found:
+        if not key.strip():
+            raise ValueError(f"an empty API key was given ({source}): give a real key, or no key at all")
+        if key != key.strip():
+            raise ValueError(f"an API key from {source} starts or ends with spaces, which no request can send: "
+                             f"remove them")
+    return tuple(key for key, _ in found)
 
 
 def is_loopback(host: str) -> bool:

@@ -27,6 +27,7 @@ from typing import NamedTuple
 
 import uvicorn
 from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -35,8 +36,8 @@ from ..chat import stop_tokens as tokenizer_stop_tokens
 from ..stats import combined
 from ..types import prompt_ids
 from . import messages as anthropic
-from . import responses
-from .access import Door
+from . import responses, schema
+from .access import Door, usable_keys
 from .detokenizer import ContinuingText, text_after
 from .engine import Engine, EngineFailure, QueueFull, QueueTimeout, Request
 from .errors import ApiError, server_error
@@ -57,6 +58,11 @@ class Piece(NamedTuple):
     scored: list = []  # (token, TokenScore or None, the token before it) per listed token, when asked
     calls: list = []  # tool calls completed here (as their parser read them)
     stop: str | None = None  # the stop string that ended the reply
+    detail: str | None = None  # why it stopped, where the API's finish reason does not say ("dead_end")
+
+
+# Engine finishes that the APIs name otherwise: the reply ended without its stop token
+FINISHES = {"cancelled": "stop", "dead_end": "stop"}
 
 
 def system_fingerprint(target: str, draft: str | None) -> str:
@@ -124,7 +130,7 @@ class Api:
         if echo is not None and not request.score_prompt:
             yield Piece(echo)
         while True:
-            kind, value, scores = await asyncio.to_thread(request.events.get)
+            kind, value, scores = await request.events.receive()
             if kind == "error":
                 raise EngineFailure(f"the decoding engine failed: {value}")
             if kind == "timeout":
@@ -135,7 +141,8 @@ class Api:
                 continue
             if kind == "done":
                 detokenizer.finalize()
-                yield Piece(detokenizer.text[sent:], {"cancelled": "stop"}.get(value, value), scored)
+                yield Piece(detokenizer.text[sent:], FINISHES.get(value, value), scored,
+                            detail=value if value in FINISHES else None)
                 return
             for token, score in zip(value, scores or [None] * len(value)):
                 hidden = token in self.stop_ids
@@ -181,13 +188,14 @@ class Api:
     def choice(self, job: Job, index: int, piece: Piece, chunk: bool, calls: list = (), offset: int = 0) -> dict:
         """A choice (or a chunk's) of ``piece``; ``offset``: the choice's text before it."""
         log_probs = self.log_probs(job, piece.scored, offset) if job.top_log_probs is not None else None
+        detail = {"finish_detail": piece.detail} if piece.detail else {}  # an extension field: why it stopped
         if job.kind == "text":
-            return {"index": index, "text": piece.text, "finish_reason": piece.finish, "logprobs": log_probs}
+            return {"index": index, "text": piece.text, "finish_reason": piece.finish, "logprobs": log_probs} | detail
         body = {"role": "assistant", "content": piece.text or (None if calls else piece.text)}
         if calls:
             body["tool_calls"] = list(calls)
         return {"index": index, ("delta" if chunk else "message"): body, "finish_reason": piece.finish,
-                "logprobs": log_probs}
+                "logprobs": log_probs} | detail
 
     async def replies(self, job: Job, request: Request, echo: str | None = None):
         """``pieces`` with the tool calls read out of the text; a reply that
@@ -233,8 +241,7 @@ class Api:
     def ident(self, job: Job) -> str:
         return f"{'chatcmpl' if job.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
 
-    async def complete(self, job: Job) -> dict:
-        requests = self.submit(job)
+    async def complete(self, job: Job, requests: list[Request]) -> dict:
         created, ident = int(time.time()), self.ident(job)
         choices = []
         try:
@@ -247,8 +254,7 @@ class Api:
         usage, stats = self.usage(job, requests)
         return self.envelope(job, ident, created, False) | {"choices": choices, "usage": usage, "dspark": stats}
 
-    async def stream(self, job: Job):
-        requests = self.submit(job)
+    async def stream(self, job: Job, requests: list[Request]):
         created, ident = int(time.time()), self.ident(job)
         head = self.envelope(job, ident, created, True)
         merged: asyncio.Queue = asyncio.Queue()
@@ -272,9 +278,9 @@ class Api:
             finished, sent = 0, [0] * len(requests)
             while finished < len(requests):
                 index, piece, calls = await merged.get()
-                if calls is None:
+                if calls is None:  # a stream that has begun still ends as streams end
                     yield sse(server_error(piece).body)
-                    return
+                    break
                 finished += piece.finish is not None
                 if not (piece.text or calls or piece.scored or piece.finish):
                     continue
@@ -283,9 +289,10 @@ class Api:
                 if job.kind == "chat" and piece.finish is not None and not piece.text and not calls:
                     choice["delta"] = {}
                 yield sse(head | {"choices": [choice]})
-            usage, stats = self.usage(job, requests)
-            if job.include_usage:
-                yield sse(head | {"choices": [], "usage": usage, "dspark": stats})
+            else:
+                usage, stats = self.usage(job, requests)
+                if job.include_usage:
+                    yield sse(head | {"choices": [], "usage": usage, "dspark": stats})
             yield "data: [DONE]\n\n"
         finally:
             for request, task in zip(requests, tasks):
@@ -298,8 +305,8 @@ class Api:
         chat, messages = responses.chat_request(body, self.conversations)
         return self.reader.job(chat, "chat"), messages
 
-    async def respond(self, job: Job, body: dict, messages: list) -> dict:
-        (request,) = self.submit(job)
+    async def respond(self, job: Job, requests: list[Request], body: dict, messages: list) -> dict:
+        (request,) = requests
         ident = f"resp_{uuid.uuid4().hex}"
         try:
             reply = await self.whole(job, request)
@@ -312,8 +319,8 @@ class Api:
         return responses.response_object(ident, body, self.model_name, output, responses.responses_usage(usage),
                                          "completed")
 
-    async def respond_streaming(self, job: Job, body: dict, messages: list):
-        (request,) = self.submit(job)
+    async def respond_streaming(self, job: Job, requests: list[Request], body: dict, messages: list):
+        (request,) = requests
         ident, message_id, event = f"resp_{uuid.uuid4().hex}", f"msg_{uuid.uuid4().hex}", responses.EventStream()
         start = responses.response_object(ident, body, self.model_name, [], None, "in_progress")
         text, calls = "", []
@@ -351,19 +358,17 @@ class Api:
             output = responses.output_items(message_id, text, calls)
             yield event("response.completed", response=responses.response_object(
                 ident, body, self.model_name, output, responses.responses_usage(usage), "completed"))
+        except Exception as error:  # a stream that has begun ends with its final event: this one failed
+            failed = server_error(error)
+            yield event("response.failed", response=responses.response_object(
+                ident, body, self.model_name, [], None, "failed") | {"error": {"code": failed.code or "server_error",
+                                                                              "message": failed.message}})
         finally:
             request.cancel()
 
 
 def sse(payload: dict) -> str:
     return f"data: {json.dumps(payload)}\n\n"
-
-
-async def json_body(http: HttpRequest):
-    try:
-        return json.loads(await http.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ApiError(f"the request body is not valid JSON: {error}") from None
 
 
 def error_response(error: Exception, path: str) -> JSONResponse:
@@ -380,11 +385,27 @@ def error_response(error: Exception, path: str) -> JSONResponse:
     raise error
 
 
+def request_body(path: str) -> dict:
+    """The OpenAPI request body of ``path``: its declared model (``schema``)."""
+    return {"requestBody": schema.openapi_schemas()["bodies"][path]}
+
+
+def openapi(app: FastAPI) -> dict:
+    """The app's OpenAPI document, the request models among its components."""
+    if app.openapi_schema is None:
+        document = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        document.setdefault("components", {}).setdefault("schemas", {}).update(schema.openapi_schemas()["components"])
+        app.openapi_schema = document
+    return app.openapi_schema
+
+
 def create_app(engine: Engine, tokenizer, model_name: str, *, fingerprint: str | None = None, api_keys: tuple = (),
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, image_sources: ImageSources = ImageSources()) -> FastAPI:
     api = Api(engine, tokenizer, model_name, fingerprint, image_sources)
-    app = FastAPI(title="dspark serve", docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_middleware(Door, keys=api_keys, max_body_bytes=max_body_bytes)
+    app = FastAPI(title="dspark serve", docs_url=None, redoc_url=None)
+    app.openapi = lambda: openapi(app)
+    keys = usable_keys([(key, "api_keys") for key in api_keys])  # now: the app is built at its first request
+    app.add_middleware(Door, keys=keys, max_body_bytes=max_body_bytes)
     model = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "dspark"}
 
     @app.exception_handler(StarletteHTTPException)
@@ -397,39 +418,45 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, fingerprint: str |
         code = {404: "unknown_url", 405: "method_not_allowed"}.get(error.status_code)
         return ApiError(message, status=error.status_code, code=code, headers=error.headers).response(http.url.path)
 
-    async def run(http: HttpRequest, job_of, whole, streamed):
-        """Read the body into a job, then answer it whole or as a stream."""
+    async def answer(http: HttpRequest, read, whole, streamed):
+        """Read the body (``read``: the endpoint's parsed body -> ``(job, extra)``,
+        images processed here, off the event loop), admit its requests (a
+        full queue is a 429, a server shutting down a 503: decided before any
+        response starts), then answer whole or as a stream."""
         try:
-            job = await asyncio.to_thread(job_of, await json_body(http))  # images are read and processed here
-            if job.stream:
-                return StreamingResponse(streamed(job), media_type="text/event-stream")
-            return JSONResponse(await whole(job))
+            body = schema.parsed_body(http.url.path, await http.body())
+            job, *extra = await asyncio.to_thread(read, body)
+            requests = api.submit(job)
+        except Exception as error:
+            return error_response(error, http.url.path)
+        if job.stream:
+            return StreamingResponse(streamed(job, requests, *extra), media_type="text/event-stream")
+        try:
+            return JSONResponse(await whole(job, requests, *extra))
         except Exception as error:
             return error_response(error, http.url.path)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=request_body("/v1/chat/completions"))
     async def chat(http: HttpRequest):
-        return await run(http, lambda body: api.reader.job(body, "chat"), api.complete, api.stream)
+        return await answer(http, lambda body: (api.reader.job(body, "chat"),), api.complete, api.stream)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=request_body("/v1/completions"))
     async def completions(http: HttpRequest):
-        return await run(http, lambda body: api.reader.job(body, "text"), api.complete, api.stream)
+        return await answer(http, lambda body: (api.reader.job(body, "text"),), api.complete, api.stream)
 
-    @app.post("/v1/responses")
+    @app.post("/v1/responses", openapi_extra=request_body("/v1/responses"))
     async def create_response(http: HttpRequest):
-        try:
-            body = await json_body(http)
-            job, messages = await asyncio.to_thread(api.response_job, body)
-            if job.stream:
-                return StreamingResponse(api.respond_streaming(job, body, messages), media_type="text/event-stream")
-            return JSONResponse(await api.respond(job, body, messages))
-        except Exception as error:
-            return error_response(error, http.url.path)
+        def read(body: dict) -> tuple:
+            job, messages = api.response_job(body)
+            return job, body, messages
 
-    @app.post("/v1/messages")
+        return await answer(http, read, api.respond, api.respond_streaming)
+
+    @app.post("/v1/messages", openapi_extra=request_body("/v1/messages"))
     async def create_message(http: HttpRequest):
-        return await run(http, lambda body: api.reader.job(anthropic.chat_request(body), "chat"),
-                         lambda job: anthropic.answer(api, job), lambda job: anthropic.answer_streaming(api, job))
+        return await answer(http, lambda body: (api.reader.job(anthropic.chat_request(body), "chat"),),
+                            lambda job, requests: anthropic.answer(api, job, requests),
+                            lambda job, requests: anthropic.answer_streaming(api, job, requests))
 
     @app.get("/v1/models")
     async def models():

@@ -46,19 +46,16 @@ ones are refused, and the server is to exit.
 
 import json
 import os
-import queue
 import threading
 import time
 import traceback
-from collections import OrderedDict, deque
+from collections import deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
 
 from ..buffers import capacity_for, init_cache, row_cache
-from ..cache import Cache
 from ..checkpoints import materialised
 from ..constraints import Constraint, Grammar
 from ..driver import TOP_LOG_PROBS, Decoder, token_scores
@@ -68,6 +65,8 @@ from ..sampling import GREEDY, Sampling
 from ..stats import Tally
 from ..threads import run_parked
 from ..types import Ended, ImagePrompt, Params, TokenLogProbs, prompt_key
+from .mailbox import Mailbox
+from .prompt_cache import PromptCache
 
 RETRY_AFTER = 1  # seconds a refused client is asked to wait before trying again
 
@@ -100,7 +99,7 @@ class Request:
     score_prompt: bool = False  # score the prompt's tokens too (an Update "prompt" before the first tokens)
     constraint: Constraint | None = None  # what its output must match
     grammar: Grammar | None = None  # the constraint compiled (else the engine compiles it: ``Engine.grammars``)
-    events: queue.Queue = field(default_factory=queue.Queue)
+    events: Mailbox = field(default_factory=Mailbox)
     acceptance: Tally = field(default_factory=Tally)  # the rounds delivered so far
     cached_tokens: int = 0  # prompt tokens reused from the prompt cache
     produced: int = 0
@@ -175,61 +174,6 @@ def memory_use() -> dict:
             "mlx_cache_bytes": mx.get_cache_memory(), "mlx_peak_bytes": mx.get_peak_memory()}
 
 
-def common_prefix(a: list, b: list) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-
-class PromptCache:
-    """Finished conversations' caches, least recently used evicted past
-    ``budget_bytes``. A new prompt reuses the stored sequence sharing its
-    longest prefix (at least ``min_tokens``). A cache holding recurrent states
-    is reused only whole: its states are those after all its tokens, so it
-    matches only a prompt that starts with every one of them."""
-
-    def __init__(self, budget_bytes: int, min_tokens: int = 16):
-        self.budget, self.min_tokens = budget_bytes, min_tokens
-        self.entries: OrderedDict = OrderedDict()  # tuple(tokens) -> (cache, bytes)
-        self.hits = self.misses = 0
-
-    @property
-    def used(self) -> int:
-        return sum(size for _, size in self.entries.values())
-
-    def store(self, tokens: list, cache: Cache) -> None:
-        """Keep a one-row ``cache`` in buffers of its own (``buffers.row_cache``)
-        under the leading tokens of ``tokens`` it holds (its length)."""
-        tokens = tokens[: int(cache.length[0])]
-        if self.budget <= 0 or len(tokens) < self.min_tokens:
-            return
-        mx.eval(cache)  # the running batch's buffers stay free to update in place
-        size = sum(a.nbytes for _, a in tree_flatten((cache.target, cache.draft)))
-        self.entries[tuple(tokens)] = (cache, size)
-        self.entries.move_to_end(tuple(tokens))
-        while self.entries and self.used > self.budget:
-            self.entries.popitem(last=False)
-
-    def lookup(self, prompt: list, resumable=None) -> Cache | None:
-        """The stored cache sharing the longest prefix with ``prompt`` (a
-        ``prompt_key``: images by their content), its length cut to that
-        prefix (and to leave at least one prompt token; with ``resumable``,
-        to the longest prefix it allows: not inside an image)."""
-        best, best_length = None, 0
-        for tokens, (cache, _) in self.entries.items():
-            length = min(common_prefix(list(tokens), prompt), len(prompt) - 1)
-            length = resumable(length) if resumable is not None else length
-            if cache.recurrent and length != len(tokens):
-                continue
-            if length > best_length:
-                best, best_length = tokens, length
-        if best is None or best_length < self.min_tokens:
-            self.misses += 1
-            return None
-        self.hits += 1
-        self.entries.move_to_end(best)
-        cache = self.entries[best][0]
-        return cache._replace(length=mx.array([best_length], mx.int32))
-
-
 def running_batch(requests: int, max_batch: int) -> int:
     """Rows to run for ``requests`` sequences: the power of two that holds
     them, at most ``max_batch`` (few sizes, each compiled once)."""
@@ -257,6 +201,7 @@ class Engine:
         self.wake = threading.Condition()
         self.stopping = False
         self.failure: str | None = None  # the last failure, until the engine runs again
+        self.published: dict = {}  # the engine thread's state for other threads (``_publish``)
         self.dead = False  # failed and could not start again
         materialised(params)  # params built by hand may be pending; the engine thread builds all decoding state
         self.decoder, started = None, threading.Event()
@@ -313,21 +258,27 @@ class Engine:
         return len(self.waiting) + len(self.arrived)
 
     def stats(self) -> dict:
-        return {
-            "active": len(self.running),
-            "batch": self.decoder.batch,
-            "waiting": self.queued,
-            "queue": {"waiting": self.queued, "max": self.max_queue, "timeout_seconds": self.queue_timeout,
-                      "refused": self.refused, "timed_out": self.timed_out},
-            "prompt_cache": {"entries": len(self.prompt_cache.entries), "bytes": self.prompt_cache.used,
-                             "budget_bytes": self.prompt_cache.budget,
-                             "hits": self.prompt_cache.hits, "misses": self.prompt_cache.misses},
-            "memory": memory_use(),
+        """What ``/health`` shows: the engine's state as its thread last
+        published it (``_publish``), the queue's and the memory's as they are now."""
+        with self.wake:
+            waiting, refused = self.queued, self.refused
+        queue = {"waiting": waiting, "max": self.max_queue, "timeout_seconds": self.queue_timeout,
+                 "refused": refused, "timed_out": self.published.get("timed_out", 0)}
+        return self.published | {"waiting": waiting, "queue": queue, "memory": memory_use()}
+
+    # ---- the decoding thread
+
+    def _publish(self) -> None:
+        """The engine's state for other threads, taken on its own thread
+        between rounds: a new dict each time, so a reader never sees one change."""
+        cache = self.prompt_cache
+        self.published = {
+            "active": len(self.running), "batch": self.decoder.batch, "timed_out": self.timed_out,
+            "prompt_cache": {"entries": len(cache), "bytes": cache.used, "budget_bytes": cache.budget,
+                             "hits": cache.hits, "misses": cache.misses},
             "traces": dict(TRACE_COUNTS),  # kernels compiled so far: a rise explains a slow round
             "images_encoded": self.params.vision.encoded if self.params.vision is not None else 0,
         }
-
-    # ---- the decoding thread
 
     def _run(self, decoder_options: dict, started: threading.Event) -> None:
         try:
@@ -360,7 +311,8 @@ class Engine:
             decoder.resize(batch)
         decoder.resize(1)
         self.decoder, self.running = decoder, {}
-        self.prompt_cache.entries.clear()
+        self.prompt_cache.clear()
+        self._publish()
 
     def _decode(self) -> bool:
         """Decode until the engine stops (False) or fails (True): a failure
@@ -373,6 +325,7 @@ class Engine:
                 if self.running:
                     self._deliver(self.decoder.step())
                     self._fit_batch()  # requests that ended: the next round, or the idle wait, runs smaller
+                self._publish()
             return False
         except Exception as error:
             self.failure = f"{type(error).__name__}: {error}"
@@ -421,8 +374,12 @@ class Engine:
 
     def _release_cancelled(self) -> None:
         """Requests cancelled by now leave before the next round."""
-        for number in [number for number, request in self.running.items() if request.dropped]:
-            self._end(self.decoder.release(number))
+        outbox = []
+        try:
+            for number in [number for number, request in self.running.items() if request.dropped]:
+                outbox.append(self._end(self.decoder.release(number)))
+        finally:
+            self._send(outbox)
 
     def _fit_batch(self) -> None:
         """Grow the batch for waiting requests, shrink it when requests have left."""
@@ -506,19 +463,29 @@ class Engine:
     def _deliver(self, step) -> None:
         """Hand each request its new tokens (cut by the decoder at its stop
         token and budget) and their scores; end the requests that ended."""
-        for event in step.events():
-            request = self.running[event.tag]
-            request.acceptance.count(event)
-            request.produced += len(event.emitted)
-            if event.emitted:
-                request.events.put(Update("tokens", event.emitted, event.log_probs))
-        for ended in step.ended:
-            self._end(ended)
+        outbox = []
+        try:
+            for event in step.events():
+                request = self.running[event.tag]
+                request.acceptance.count(event)
+                request.produced += len(event.emitted)
+                if event.emitted:
+                    outbox.append((request, Update("tokens", event.emitted, event.log_probs)))
+            outbox += [self._end(ended) for ended in step.ended]
+        finally:  # what was delivered before a failure still reaches its request
+            self._send(outbox)
 
-    def _end(self, ended: Ended) -> None:
-        """Keep the ended request's cache for its conversation's next turn,
-        then tell the request (it leaves the engine last: a failure on the
-        way still ends it)."""
+    def _end(self, ended: Ended) -> tuple:
+        """Keep the ended request's cache for its conversation's next turn;
+        ``(the request, its last update)``. It leaves the engine last: a
+        failure on the way still ends it."""
         if ended.cache is not None:
             self.prompt_cache.store(ended.context, ended.cache)
-        self.running.pop(ended.tag).events.put(Update("done", ended.finish))
+        return self.running.pop(ended.tag), Update("done", ended.finish)
+
+    def _send(self, outbox: list) -> None:
+        """Publish the engine's state, then hand out ``(request, update)``s: a
+        client told its request ended finds ``stats`` counting it so."""
+        self._publish()
+        for request, update in outbox:
+            request.events.put(update)

@@ -122,8 +122,7 @@ def tool_use(call: dict) -> dict:
 
 
 def stop_reason(finish: str, stop: str | None) -> str:
-    return {"tool_calls": "tool_use", "length": "max_tokens", "dead_end": "dead_end"}.get(
-        finish, "stop_sequence" if stop else "end_turn")
+    return {"tool_calls": "tool_use", "length": "max_tokens"}.get(finish, "stop_sequence" if stop else "end_turn")
 
 
 def usage(chat_usage: dict) -> dict:
@@ -142,23 +141,24 @@ def event(kind: str, **fields) -> str:
     return f"event: {kind}\ndata: {json.dumps({'type': kind, **fields})}\n\n"
 
 
-async def answer(api, job) -> dict:
+async def answer(api, job, requests: list) -> dict:
     """The whole reply as a ``message``."""
-    (request,) = api.submit(job)
+    (request,) = requests
     try:
         reply = await api.whole(job, request)
     finally:
         request.cancel()
     content = ([{"type": "text", "text": reply.text}] if reply.text else []) + [tool_use(c) for c in reply.calls]
     counts, _ = api.usage(job, [request])
-    return message(f"msg_{uuid.uuid4().hex}", api.model_name, content, stop_reason(reply.finish, reply.stop),
-                   reply.stop, usage(counts))
+    reply_message = message(f"msg_{uuid.uuid4().hex}", api.model_name, content,
+                            stop_reason(reply.finish, reply.stop), reply.stop, usage(counts))
+    return reply_message | ({"stop_detail": reply.detail} if reply.detail else {})  # an extension field
 
 
-async def answer_streaming(api, job):
+async def answer_streaming(api, job, requests: list):
     """The reply as Messages events: a text block open while text arrives, a
     ``tool_use`` block (its whole input as one ``input_json_delta``) per call."""
-    (request,) = api.submit(job)
+    (request,) = requests
     blocks, text_open = 0, False  # blocks started so far; whether the last one is text still open
     try:
         start = message(f"msg_{uuid.uuid4().hex}", api.model_name, [], None, None,
@@ -182,8 +182,9 @@ async def answer_streaming(api, job):
             if piece.finish is not None:
                 if text_open:
                     yield event("content_block_stop", index=blocks - 1)
+                detail = {"stop_detail": piece.detail} if piece.detail else {}  # an extension field
                 yield event("message_delta", delta={"stop_reason": stop_reason(piece.finish, piece.stop),
-                                                    "stop_sequence": piece.stop},
+                                                    "stop_sequence": piece.stop} | detail,
                             usage=usage(api.usage(job, [request])[0]))
         yield event("message_stop")
     except Exception as error:  # a failed engine: an error event ends the stream

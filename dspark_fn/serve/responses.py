@@ -15,6 +15,7 @@ again (``usage.input_tokens_details.cached_tokens``). The reply is a
 """
 
 import json
+import threading
 import time
 from collections import OrderedDict
 
@@ -118,21 +119,24 @@ class Conversations:
 
     def __init__(self, held: int = HELD_RESPONSES):
         self.held, self.entries = held, OrderedDict()
+        self.lock = threading.Lock()  # read on the threads that read requests, kept on the event loop
 
     def before(self, ident) -> list:
         if ident is None:
             return []
-        if ident not in self.entries:
-            raise ApiError(f"previous response {ident!r} is not held by this server (it keeps the last "
-                           f"{self.held}); send the whole conversation as input instead", "previous_response_id",
-                           status=404, code="previous_response_not_found")
-        self.entries.move_to_end(ident)
-        return list(self.entries[ident])
+        with self.lock:
+            if ident in self.entries:
+                self.entries.move_to_end(ident)
+                return list(self.entries[ident])
+        raise ApiError(f"previous response {ident!r} is not held by this server (it keeps the last "
+                       f"{self.held}); send the whole conversation as input instead", "previous_response_id",
+                       status=404, code="previous_response_not_found")
 
     def keep(self, ident: str, messages: list) -> None:
-        self.entries[ident] = messages
-        while len(self.entries) > self.held:
-            self.entries.popitem(last=False)
+        with self.lock:
+            self.entries[ident] = messages
+            while len(self.entries) > self.held:
+                self.entries.popitem(last=False)
 
 
 def chat_request(body, conversations: Conversations) -> tuple[dict, list]:

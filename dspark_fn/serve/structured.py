@@ -17,6 +17,7 @@ tokenizer; what cannot be compiled, or exceeds ``constraints.Limits``, is a
 400 naming the problem, before any row is taken.
 """
 
+import threading
 from collections import OrderedDict
 
 from ..chat import thinking_ahead
@@ -38,18 +39,21 @@ class Grammars:
         self.tokenizer, self.vocab_size, self.end_tokens, self.limits = tokenizer, vocab_size, list(end_tokens), limits
         self.vocabulary: Vocabulary | None = None
         self.held: OrderedDict = OrderedDict()
+        self.lock = threading.Lock()  # requests are read on several threads at once
 
     def compile(self, constraint: Constraint) -> Grammar:
         """``constraint`` compiled (``ValueError`` naming what is wrong)."""
-        if constraint in self.held:
-            self.held.move_to_end(constraint)
-            return self.held[constraint]
-        if self.vocabulary is None:
-            self.vocabulary = Vocabulary(self.tokenizer, self.vocab_size, end_tokens=self.end_tokens)
-        grammar = compile_constraint(constraint, self.vocabulary, self.limits)
-        self.held[constraint] = grammar
-        while len(self.held) > HELD_GRAMMARS:
-            self.held.popitem(last=False)
+        with self.lock:
+            if constraint in self.held:
+                self.held.move_to_end(constraint)
+                return self.held[constraint]
+            if self.vocabulary is None:
+                self.vocabulary = Vocabulary(self.tokenizer, self.vocab_size, end_tokens=self.end_tokens)
+        grammar = compile_constraint(constraint, self.vocabulary, self.limits)  # outside the lock: it may take long
+        with self.lock:
+            self.held[constraint] = grammar
+            while len(self.held) > HELD_GRAMMARS:
+                self.held.popitem(last=False)
         return grammar
 
 

@@ -14,10 +14,8 @@ from ..vision import image_prompt, refusal
 from .errors import ApiError
 from .structured import Grammars, compiled, reply_constraint, response_constraint
 from .images import ImageSources
+from .schema import MAX_PROMPTS
 from .tools import Tools, template_turns
-
-MAX_PROMPTS = 64  # completions prompts in one request (each becomes its own sequences)
-
 
 @dataclass(frozen=True)
 class Job:
@@ -132,7 +130,7 @@ class Reader:
                            f"{self.engine.max_context} tokens", limit_name, code="context_length_exceeded")
         sampling = Sampling(
             number(body, "temperature", 1.0, low=0, high=2),
-            number(body, "top_k", 0, int, low=0),
+            number(body, "top_k", 0, int, low=0, high=self.grammars.vocab_size),  # the model's vocabulary
             number(body, "top_p", 1.0, low=0, high=1, low_open=True),
         )
         constraint, grammar = self.constraint(body, kind, tools, prompt_ids(prompts[0][0]), echo)
@@ -197,7 +195,7 @@ class Reader:
         params = self.engine.params
         if params.vision is None:
             raise ApiError(refusal(params.spec.target.model_type), "messages")
-        pictures = [self.images.read(url, "messages") for url in urls]
+        pictures = self.images.read_all(urls, "messages")
         text = template_text(self.tokenizer, turns, **template_options)
         try:
             return image_prompt(params, text, pictures)

@@ -1,0 +1,227 @@
+"""The server's prompt cache: finished conversations' caches, each found
+again by the longest prefix it shares with a new prompt.
+
+Entries sit in a radix trie over their tokens (``prompt_key`` lists: token
+ids, image tokens as hashable pairs). An edge holds the run of tokens
+between two branch points, so the trie keeps at most two nodes an entry
+(rather than a node, with its dict, a token). A lookup walks the prompt down the trie, in time
+that grows with the prompt and not with the number of entries: each node
+counts the entries under it that can be cut to any length (those without
+recurrent states), so the deepest node with one to give is known on the way
+down; an entry with recurrent states is reused only where the walk passes
+the node it ends at.
+
+The entries are also kept in least recently used order, their bytes summed
+as they come and go: storing evicts the oldest past the budget, each
+eviction unlinking one entry's path.
+"""
+
+from collections import OrderedDict
+from types import MappingProxyType
+from typing import NamedTuple
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from ..cache import Cache
+
+
+class Entry(NamedTuple):
+    cache: Cache
+    size: int  # bytes of its buffers
+    recurrent: bool  # its states hold after all its tokens only: reusable whole or not at all
+
+
+class Node:
+    """A trie node: the tokens it adds to its parent's prefix (``edge``),
+    the prefix's length (``depth``), its children by their edge's first
+    token, the entry whose tokens end here (or None), and how many entries
+    under it (itself included) can be cut to any length (``plain``)."""
+
+    __slots__ = ("edge", "depth", "parent", "children", "entry", "plain")
+
+    def __init__(self, edge: tuple = (), parent: "Node | None" = None):
+        self.edge, self.parent = edge, parent
+        self.depth = len(edge) + (parent.depth if parent is not None else 0)
+        self.children: dict = {}
+        self.entry: Entry | None = None
+        self.plain = 0
+
+
+def shared_length(edge: tuple, key: tuple, start: int) -> int:
+    """How many leading tokens of ``edge`` ``key`` repeats from ``start`` on."""
+    span = min(len(edge), len(key) - start)
+    if key[start : start + span] == edge[:span]:  # the usual case, compared in one C call
+        return span
+    return next(i for i in range(span) if edge[i] != key[start + i])
+
+
+def descend(root: Node, key: tuple) -> list[tuple[Node, int]]:
+    """The nodes ``key`` leads through below ``root``, each with the length
+    of the prefix ``key`` shares with every entry under it: the node's depth
+    where ``key`` runs through its whole edge, less where it parts from the
+    edge or ends inside it (the last node then)."""
+    path, node = [], root
+    while node.depth < len(key) and (child := node.children.get(key[node.depth])) is not None:
+        reach = node.depth + shared_length(child.edge, key, node.depth)
+        path.append((child, reach))
+        if reach < child.depth:
+            break
+        node = child
+    return path
+
+
+def split(node: Node, at: int) -> Node:
+    """Part ``node``'s edge after ``at`` tokens; the new node between it and
+    its parent, holding the first part, is returned. ``node`` itself stays
+    (with its entry, which refers to it) below."""
+    upper = Node(node.edge[:at], node.parent)
+    upper.plain = node.plain
+    node.parent.children[upper.edge[0]] = upper
+    node.edge, node.parent = node.edge[at:], upper
+    upper.children[node.edge[0]] = node
+    return upper
+
+
+def graft(root: Node, key: tuple) -> Node:
+    """The node where ``key`` ends, made where the trie lacks it (splitting
+    the edge ``key`` parts from or ends inside)."""
+    node = root
+    while node.depth < len(key):
+        child = node.children.get(key[node.depth])
+        if child is None:
+            child = Node(key[node.depth :], node)
+            node.children[child.edge[0]] = child
+            return child
+        matched = shared_length(child.edge, key, node.depth)
+        node = child if matched == len(child.edge) else split(child, matched)
+    return node
+
+
+def prune(node: Node) -> None:
+    """Unlink what held up ``node`` now that its entry is gone: nodes with
+    neither entry nor children up the path, then a node left with neither
+    entry nor a branch merged into its only child (so walks and memory stay
+    proportional to entries, not to the tokens once stored)."""
+    while node.parent is not None and node.entry is None and not node.children:
+        del node.parent.children[node.edge[0]]
+        node = node.parent
+    if node.parent is not None and node.entry is None and len(node.children) == 1:
+        (child,) = node.children.values()
+        child.edge, child.parent = node.edge + child.edge, node.parent
+        node.parent.children[node.edge[0]] = child
+
+
+def recount(node: Node, plain: int) -> None:
+    """Add ``plain`` to the count of cuttable entries of ``node`` and all above it."""
+    while node is not None:
+        node.plain += plain
+        node = node.parent
+
+
+def tokens_of(node: Node) -> tuple:
+    """The tokens leading from the root to ``node``."""
+    edges = []
+    while node is not None:
+        edges.append(node.edge)
+        node = node.parent
+    return tuple(token for edge in reversed(edges) for token in edge)
+
+
+def first_plain(node: Node) -> Node:
+    """The node of an entry without recurrent states under ``node`` (itself
+    first, then the first child holding one, down): any serves, all sharing
+    the prefix that led to ``node``; this one keeps the choice repeatable.
+    Children passed over hold only recurrent entries."""
+    while node.entry is None or node.entry.recurrent:
+        node = next(child for child in node.children.values() if child.plain)
+    return node
+
+
+def unchanged(length: int) -> int:
+    return length
+
+
+class PromptCache:
+    """Finished conversations' caches, least recently used evicted past
+    ``budget_bytes``. A new prompt reuses the stored sequence sharing its
+    longest prefix (at least ``min_tokens``). A cache holding recurrent states
+    is reused only whole: its states are those after all its tokens, so it
+    matches only a prompt that starts with every one of them."""
+
+    def __init__(self, budget_bytes: int, min_tokens: int = 16):
+        self.budget, self.min_tokens = budget_bytes, min_tokens
+        self.root = Node()
+        self.lru: OrderedDict = OrderedDict()  # the nodes holding entries, least recently used first
+        self.used = 0  # bytes of all entries
+        self.hits = self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self.lru)
+
+    @property
+    def entries(self) -> MappingProxyType:
+        """What is stored, for inspection: tokens -> (cache, bytes), least
+        recently used first; rebuilt from the trie at each call, read-only."""
+        return MappingProxyType({tokens_of(node): (node.entry.cache, node.entry.size) for node in self.lru})
+
+    def clear(self) -> None:
+        """Drop every entry (the counts of hits and misses go on)."""
+        self.root, self.used = Node(), 0
+        self.lru.clear()
+
+    def store(self, tokens: list, cache: Cache) -> None:
+        """Keep a one-row ``cache`` in buffers of its own (``buffers.row_cache``)
+        under the leading tokens of ``tokens`` it holds (its length), in place
+        of any cache stored under the same tokens."""
+        tokens = tuple(tokens[: int(cache.length[0])])
+        if self.budget <= 0 or len(tokens) < self.min_tokens:
+            return
+        mx.eval(cache)  # the running batch's buffers stay free to update in place
+        size = sum(a.nbytes for _, a in tree_flatten((cache.target, cache.draft)))
+        node = graft(self.root, tokens)
+        if node.entry is not None:
+            self._release(node)
+            del self.lru[node]
+        node.entry = Entry(cache, size, cache.recurrent)
+        recount(node, int(not node.entry.recurrent))
+        self.used += size
+        self.lru[node] = None
+        while self.lru and self.used > self.budget:
+            oldest, _ = self.lru.popitem(last=False)
+            self._release(oldest)
+            prune(oldest)
+
+    def _release(self, node: Node) -> None:
+        """Take ``node``'s entry out of the counts and the bytes."""
+        recount(node, -int(not node.entry.recurrent))
+        self.used -= node.entry.size
+        node.entry = None
+
+    def lookup(self, prompt: list, resumable=None) -> Cache | None:
+        """The stored cache sharing the longest prefix with ``prompt`` (a
+        ``prompt_key``: images by their content), its length cut to that
+        prefix (and to leave at least one prompt token; with ``resumable``,
+        to the longest prefix it allows: not inside an image). ``resumable``
+        only shortens, and a longer prefix never resumes earlier than a
+        shorter one: the deepest shared prefix gives the longest cut."""
+        resume = resumable if resumable is not None else unchanged
+        path = descend(self.root, tuple(prompt[: len(prompt) - 1]))
+        length, holder = 0, None
+        cuttable = [(node, reach) for node, reach in path if node.plain]
+        if cuttable:  # the deepest such node: its entries share the most with the prompt
+            node, reach = cuttable[-1]
+            length, holder = resume(reach), first_plain(node)
+        for node, reach in reversed(path):  # deepest first: the first whole recurrent entry is the longest
+            if reach <= length:
+                break
+            entry = node.entry
+            if reach == node.depth and entry is not None and entry.recurrent and resume(reach) == reach:
+                length, holder = reach, node
+                break
+        if length < max(self.min_tokens, 1):  # an empty prefix saves nothing
+            self.misses += 1
+            return None
+        self.hits += 1
+        self.lru.move_to_end(holder)
+        return holder.entry.cache._replace(length=mx.array([length], mx.int32))

@@ -1,0 +1,292 @@
+"""The server as a boundary: every request a client can send, careless or
+hostile, gets an answer in its API's shape within seconds, never a 5xx or a
+hang, and the server goes on answering valid requests exactly as before.
+
+A fuzzer (hypothesis, ``fuzzing.py``) sends generated bodies to every
+endpoint of a multimodal target behind a key: valid bodies with fields
+replaced by hostile values, deleted or mangled, raw bytes that are not JSON
+or that a lenient parser takes (``NaN``, ``1e999``, nesting thousands deep),
+and wrong keys. A bounded number of examples runs here; ``bench/fuzz.py``
+runs the long campaign.
+
+Breaks tried, and the tests that catch them:
+- ``json.loads`` as it is (NaN, Infinity and 1e999 taken): test_raw_bodies_get_a_400;
+- ``strict=False`` in the request models ("3" read as a count, 2.0 as an
+  integer): test_a_string_is_not_read_as_a_number;
+- top_k left unbounded (the engine thread's ``std::bad_cast`` failed the
+  whole batch): the fuzzer (a 5xx) and test_serve.py's BAD cases;
+- ``submit`` back inside the stream generators (a 200, then a dropped
+  connection): test_a_full_queue_refuses_a_stream_before_it_starts;
+- ``asyncio.to_thread(events.get)`` for waiting requests:
+  test_waiting_requests_hold_no_thread (the parse of a new request starves);
+- ``Engine.stats`` reading the prompt cache on the caller's thread:
+  test_engine_state_is_read_on_the_engine_thread_only;
+- empty keys taken: test_an_empty_key_lets_nobody_in.
+"""
+
+import http.client
+import json
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+
+from dspark_fn.catalog import load_named  # noqa: E402
+from dspark_fn.serve.access import KEY_VARIABLE, read_keys  # noqa: E402
+from dspark_fn.serve.app import create_app  # noqa: E402
+from dspark_fn.serve.engine import Engine, QueueFull, Update  # noqa: E402
+from dspark_fn.serve.images import ImageSources  # noqa: E402
+from fuzzing import VALID, bodies, check_answer, is_error_shaped, raw_bodies, sweep  # noqa: E402
+from helpers import running  # noqa: E402
+from multimodal import write_pair  # noqa: E402
+from test_serve_tools import ScriptedEngine  # noqa: E402
+
+KEY = "boundary-key"
+ENDPOINTS = sorted(VALID)
+WAIT = 60  # seconds any one answer may take: past it, a hang
+FUZZ = settings(max_examples=100, deadline=None, derandomize=True, database=None,
+                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
+                                       HealthCheck.data_too_large])
+
+
+def send(base: str, path: str, raw: bytes, headers: dict | None = None, method: str = "POST") -> tuple:
+    """``(status, headers, whole body)`` of one request, streams read to their end."""
+    host, port = base.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=WAIT)
+    try:
+        connection.request(method, path, body=raw, headers={"content-type": "application/json",
+                                                            "authorization": f"Bearer {KEY}", **(headers or {})})
+        response = connection.getresponse()
+        return response.status, {k.lower(): v for k, v in response.getheaders()}, response.read()
+    finally:
+        connection.close()
+
+
+def greedy(base: str) -> str:
+    status, _, raw = send(base, "/v1/chat/completions", json.dumps(
+        {"messages": [{"role": "user", "content": "what is here?"}], "max_tokens": 8, "temperature": 0}).encode())
+    assert status == 200, raw
+    return json.loads(raw)["choices"][0]["message"]["content"]
+
+
+@pytest.fixture(scope="module")
+def release(tmp_path_factory):
+    root = tmp_path_factory.mktemp("boundary")
+    write_pair(root, "gemma4")
+    params, tokenizer, _ = load_named(str(root / "target"), str(root / "draft"))
+    return SimpleNamespace(root=root, params=params, tokenizer=tokenizer)
+
+
+@pytest.fixture(scope="module")
+def served(release, tmp_path_factory):
+    """A multimodal target behind a key, image files and URLs allowed: ``(engine, base url, first greedy answer)``."""
+    images = tmp_path_factory.mktemp("images")
+    engine = Engine(release.params, max_batch=2, max_context=256, width=None)
+    sources = ImageSources(files=images, urls=True)
+    try:
+        with running(create_app(engine, release.tokenizer, "m", api_keys=(KEY,), image_sources=sources)) as base:
+            yield engine, base, greedy(base)
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("endpoint", ENDPOINTS)
+def test_fuzzed_bodies_get_no_5xx_and_errors_in_the_api_shape(served, endpoint):
+    engine, base, _ = served
+
+    @FUZZ
+    @given(bodies(endpoint))
+    def answered(body):
+        started = time.monotonic()
+        status, headers, raw = send(base, endpoint, json.dumps(body).encode())
+        assert check_answer(endpoint, status, headers, raw) is None, (body, check_answer(endpoint, status, headers, raw))
+        assert time.monotonic() - started < WAIT
+
+    answered()
+    assert send(base, "/health", b"", method="GET")[0] == 200
+
+
+@pytest.mark.parametrize("endpoint", ENDPOINTS)
+def test_each_field_at_its_edges_gets_no_5xx(served, endpoint):
+    _, base, _ = served
+    for body in sweep(endpoint):
+        status, headers, raw = send(base, endpoint, json.dumps(body).encode())
+        assert check_answer(endpoint, status, headers, raw) is None, (body, raw[:300])
+
+
+def test_raw_bodies_get_a_400(served):
+    _, base, _ = served
+
+    @FUZZ
+    @given(st.sampled_from(ENDPOINTS), raw_bodies)
+    def refused(endpoint, raw):
+        status, headers, answer = send(base, endpoint, raw)
+        assert 400 <= status < 500 and check_answer(endpoint, status, headers, answer) is None, (raw[:80], answer)
+
+    refused()
+
+
+def test_wrong_keys_get_a_401(served):
+    _, base, _ = served
+
+    @FUZZ
+    @given(st.sampled_from(ENDPOINTS), st.one_of(st.just(""), st.just(" "), st.text(max_size=20).filter(
+        lambda key: key.strip() != KEY and key.isprintable() and key.isascii())),
+        st.sampled_from(["authorization", "x-api-key"]))
+    def refused(endpoint, key, header):
+        value = f"Bearer {key}" if header == "authorization" else key
+        status, headers, raw = send(base, endpoint, json.dumps(VALID[endpoint]).encode(),
+                                    {"authorization": "", header: value})
+        assert status == 401 and check_answer(endpoint, status, headers, raw) is None
+
+    refused()
+
+
+def test_a_valid_request_answers_as_before_the_fuzzing(served):
+    _, base, before = served
+    assert greedy(base) == before
+
+
+def test_the_openapi_schema_declares_each_endpoint_body(served):
+    _, base, _ = served
+    status, _, raw = send(base, "/openapi.json", b"", method="GET")
+    document = json.loads(raw)
+    assert status == 200
+    for path in ENDPOINTS:
+        reference = document["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+        declared = document["components"]["schemas"][reference.rsplit("/", 1)[1]]
+        assert declared["type"] == "object" and declared["properties"]
+
+
+def test_a_string_is_not_read_as_a_number(served):
+    _, base, _ = served
+    for field, value in (("max_tokens", "3"), ("max_tokens", 3.0), ("temperature", "0"), ("stream", "true")):
+        body = dict(VALID["/v1/chat/completions"], **{field: value})
+        status, _, raw = send(base, "/v1/chat/completions", json.dumps(body).encode())
+        assert status == 400 and f"'{field}'" in json.loads(raw)["error"]["message"]
+
+
+# ---- admission: refused before a response starts
+
+
+class FullEngine(ScriptedEngine):
+    """An engine whose queue is full, or that is shutting down."""
+
+    refusal = QueueFull(64, 1)
+
+    def submit(self, request):
+        raise self.refusal
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from dspark_fn.catalog import load_target_named
+
+    return load_target_named(None)[2]
+
+
+@pytest.mark.parametrize("endpoint", ENDPOINTS)
+@pytest.mark.parametrize("refusal, status", [(QueueFull(64, 1), 429),
+                                             (RuntimeError("the engine is shutting down"), 503)])
+def test_a_full_queue_refuses_a_stream_before_it_starts(tokenizer, endpoint, refusal, status):
+    engine = FullEngine(tokenizer)
+    engine.refusal = refusal
+    with running(create_app(engine, tokenizer, "m")) as base:
+        answer, headers, raw = send(base, endpoint, json.dumps(dict(VALID[endpoint], stream=True)).encode())
+    assert answer == status and is_error_shaped(endpoint, json.loads(raw))
+    assert status == 503 or headers["retry-after"] == "1"
+
+
+class SilentEngine(ScriptedEngine):
+    """An engine that takes every request and never answers (a long queue)."""
+
+    def submit(self, request):
+        self.prompts.append(request)
+        return request
+
+
+def test_waiting_requests_hold_no_thread(tokenizer):
+    """More requests wait than the event loop has worker threads, and a new
+    request is still read and answered at once."""
+    engine = SilentEngine(tokenizer)
+    with running(create_app(engine, tokenizer, "m")) as base:
+        host, port = base.removeprefix("http://").split(":")
+        waiting = []
+        for _ in range(40):
+            connection = http.client.HTTPConnection(host, int(port), timeout=WAIT)
+            connection.request("POST", "/v1/completions", body=json.dumps(VALID["/v1/completions"]).encode(),
+                               headers={"content-type": "application/json"})
+            waiting.append(connection)
+        deadline = time.monotonic() + WAIT
+        while len(engine.prompts) < 40 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(engine.prompts) == 40
+        started = time.monotonic()
+        status, _, raw = send(base, "/v1/completions", b'{"prompt": 5}', {"authorization": ""})
+        assert status == 400 and time.monotonic() - started < 5
+        for request in engine.prompts:
+            request.events.put(Update("done", "stop"))
+        assert all(connection.getresponse().status == 200 for connection in waiting)
+
+
+# ---- engine state: owned by its thread
+
+
+class Watched:
+    """Forwards to ``inner``, noting the threads that read it."""
+
+    def __init__(self, inner):
+        object.__setattr__(self, "inner", inner)
+        object.__setattr__(self, "threads", set())
+
+    def __getattr__(self, name):
+        self.threads.add(threading.get_ident())
+        return getattr(self.inner, name)
+
+    def __setattr__(self, name, value):
+        self.threads.add(threading.get_ident())
+        setattr(self.inner, name, value)
+
+    def __len__(self):
+        self.threads.add(threading.get_ident())
+        return len(self.inner)
+
+
+def test_engine_state_is_read_on_the_engine_thread_only(served):
+    engine, base, _ = served
+    watched = Watched(engine.prompt_cache)
+    engine.prompt_cache = watched
+    try:
+        stats = [engine.stats() for _ in range(3)]
+        greedy(base)
+        stats.append(engine.stats())
+    finally:
+        engine.prompt_cache = watched.inner
+    assert threading.get_ident() not in watched.threads
+    assert stats[-1]["prompt_cache"]["entries"] >= 1
+
+
+# ---- keys
+
+
+def test_an_empty_key_lets_nobody_in(tokenizer, monkeypatch, tmp_path):
+    from dspark_fn import cli
+
+    for given in ([""], ["  "], [" key"]):
+        with pytest.raises(ValueError, match="API key"):
+            read_keys(given, None)
+    monkeypatch.setenv(KEY_VARIABLE, "")
+    with pytest.raises(ValueError, match=KEY_VARIABLE):
+        read_keys([], None)
+    monkeypatch.delenv(KEY_VARIABLE)
+    (tmp_path / "keys").write_text("# no keys here\n\n")
+    with pytest.raises(ValueError, match="holds no keys"):
+        read_keys([], str(tmp_path / "keys"))
+    with pytest.raises(ValueError, match="empty API key"):
+        create_app(ScriptedEngine(tokenizer), tokenizer, "m", api_keys=("",))
+    with pytest.raises(SystemExit, match="empty API key"):
+        cli.main(["serve", "--api-key", "", "--model", "/nonexistent"])
