@@ -201,6 +201,40 @@ def test_a_full_queue_refuses_a_stream_before_it_starts(tokenizer, endpoint, ref
     assert status == 503 or headers["retry-after"] == "1"
 
 
+def test_overload_is_refused_before_streams_start_and_health_answers_throughout(served, monkeypatch):
+    engine, base, before = served
+    monkeypatch.setattr(engine, "max_queue", 1)
+    answers, health, done = [], [], threading.Event()
+
+    def client(endpoint: str):
+        answers.append((endpoint, *send(base, endpoint, json.dumps(dict(VALID[endpoint], stream=True,
+                                                                         max_tokens=12)).encode())))
+
+    def watch():
+        while not done.is_set():
+            health.append(send(base, "/health", b"", method="GET")[0])
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    clients = [threading.Thread(target=client, args=(ENDPOINTS[i % len(ENDPOINTS)],)) for i in range(16)]
+    for thread in clients:
+        thread.start()
+    for thread in clients:
+        thread.join(WAIT)
+    done.set()
+    watcher.join(WAIT)
+    statuses = sorted(status for _, status, _, _ in answers)
+    assert len(answers) == 16 and set(statuses) == {200, 429}, statuses
+    for endpoint, status, headers, raw in answers:
+        if status == 429:
+            assert headers["retry-after"] == "1" and is_error_shaped(endpoint, json.loads(raw))
+        else:
+            assert check_answer(endpoint, status, headers, raw) is None
+    assert health and set(health) == {200}
+    assert greedy(base) == before
+
+
 class SilentEngine(ScriptedEngine):
     """An engine that takes every request and never answers (a long queue)."""
 
@@ -290,3 +324,37 @@ def test_an_empty_key_lets_nobody_in(tokenizer, monkeypatch, tmp_path):
         create_app(ScriptedEngine(tokenizer), tokenizer, "m", api_keys=("",))
     with pytest.raises(SystemExit, match="empty API key"):
         cli.main(["serve", "--api-key", "", "--model", "/nonexistent"])
+
+
+# ---- metrics
+
+
+def scrape(base: str) -> dict:
+    """``/metrics`` read by prometheus_client's own parser: ``{(name, labels): value}``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    status, headers, raw = send(base, "/metrics", b"", method="GET")
+    assert status == 200 and headers["content-type"].startswith("text/plain")
+    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(raw.decode()) for sample in family.samples}
+
+
+def test_metrics_parse_and_move_with_traffic(served):
+    _, base, _ = served
+    before = scrape(base)
+    greedy(base)
+    send(base, "/v1/chat/completions", b'{"messages": 5}')
+    after = scrape(base)
+
+    def moved(name: str, **labels) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0) - before.get(key, 0)
+
+    assert moved("dspark_requests_total", endpoint="/v1/chat/completions", status="200") == 1
+    assert moved("dspark_requests_total", endpoint="/v1/chat/completions", status="400") == 1
+    assert moved("dspark_time_to_first_token_seconds_count") == 1
+    assert moved("dspark_prompt_tokens_total") > 0 and moved("dspark_generation_tokens_total") >= 1
+    sources = {dict(labels)["source"] for name, labels in after if name == "dspark_rounds_total"}
+    assert sources and sum(moved("dspark_rounds_total", source=s) for s in sources) >= 1
+    assert ("dspark_queue_depth", ()) in after and ("dspark_busy_rows", ()) in after
+    assert after[("dspark_kernels_compiled_total", ())] >= 1

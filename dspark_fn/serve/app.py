@@ -29,7 +29,7 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from fastapi import Request as HttpRequest
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..chat import stop_tokens as tokenizer_stop_tokens
@@ -43,6 +43,8 @@ from .engine import Engine, EngineFailure, QueueFull, QueueTimeout, Request
 from .errors import ApiError, server_error
 from .structured import Grammars
 from .images import ImageSources
+from .metrics import CONTENT_TYPE as METRICS_TYPE
+from .metrics import Counted, Metrics
 from .tools import CallReader, openai_call
 from .validation import Job, Reader
 
@@ -80,6 +82,7 @@ class Api:
     def __init__(self, engine: Engine, tokenizer, model_name: str, fingerprint: str | None = None,
                  images: ImageSources = ImageSources()):
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        self.metrics = Metrics(engine)
         self.fingerprint = fingerprint or system_fingerprint(model_name, None)
         self.stop_ids = frozenset(tokenizer_stop_tokens(tokenizer))
         grammars = engine.grammars if engine.grammars is not None else Grammars(
@@ -125,7 +128,7 @@ class Api:
         ruled out. A completion's text continues its prompt's (a leading space
         kept); a chat reply's is a text of its own."""
         detokenizer = ContinuingText(self.tokenizer, request.prompt) if job.kind == "text" else self.tokenizer.detokenizer
-        sent, scored, before = 0, [], prompt_ids(request.prompt)[-1:]
+        sent, scored, before, arrived = 0, [], prompt_ids(request.prompt)[-1:], None
         hold = max((len(s) for s in job.stop), default=1) - 1
         if echo is not None and not request.score_prompt:
             yield Piece(echo)
@@ -144,6 +147,7 @@ class Api:
                 yield Piece(detokenizer.text[sent:], FINISHES.get(value, value), scored,
                             detail=value if value in FINISHES else None)
                 return
+            arrived = self.metrics.arrived(request.submitted, arrived, len(value))
             for token, score in zip(value, scores or [None] * len(value)):
                 hidden = token in self.stop_ids
                 if not hidden:
@@ -406,6 +410,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, fingerprint: str |
     app.openapi = lambda: openapi(app)
     keys = usable_keys([(key, "api_keys") for key in api_keys])  # now: the app is built at its first request
     app.add_middleware(Door, keys=keys, max_body_bytes=max_body_bytes)
+    app.add_middleware(Counted, metrics=api.metrics)  # outside the door: refusals are counted too
     model = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "dspark"}
 
     @app.exception_handler(StarletteHTTPException)
@@ -475,6 +480,10 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, fingerprint: str |
             status = "failed" if engine.dead else "restarting"
             return JSONResponse({"status": status, "error": engine.failure}, status_code=503)
         return {"status": "ok", **engine.stats()}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(api.metrics.exposition(), media_type=METRICS_TYPE)
 
     @app.on_event("shutdown")
     def stop_engine():

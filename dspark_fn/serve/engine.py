@@ -192,6 +192,8 @@ class Engine:
         self.grammars = grammars  # compiles requests' constraints (``structured.Grammars``), where none came compiled
         self.max_queue, self.queue_timeout = max_queue, queue_timeout
         self.refused = self.timed_out = 0  # requests refused with the queue full; ended for waiting too long
+        self.prompt_tokens = self.generated_tokens = 0  # over every request served
+        self.served = Tally()  # the rounds of every request served, by proposal source
         self.group = group if group is not None and group.size() > 1 else None
         self.prompt_cache = PromptCache(prompt_cache_bytes)
         self.arrived: deque = deque()  # submitted, not yet taken in by the engine thread
@@ -277,6 +279,9 @@ class Engine:
             "prompt_cache": {"entries": len(cache), "bytes": cache.used, "budget_bytes": cache.budget,
                              "hits": cache.hits, "misses": cache.misses},
             "traces": dict(TRACE_COUNTS),  # kernels compiled so far: a rise explains a slow round
+            "served": {"prompt_tokens": self.prompt_tokens, "generated_tokens": self.generated_tokens,
+                       "sources": {name: {"rounds": part.rounds, "emitted": part.emitted, "accepted": part.accepted,
+                                          "drafted": part.drafted} for name, part in self.served.by_source.items()}},
             "images_encoded": self.params.vision.encoded if self.params.vision is not None else 0,
         }
 
@@ -397,6 +402,7 @@ class Engine:
             if not self.running:  # alone in the batch: start from a fresh planner, so runs repeat
                 self.decoder.planner.reset()
             self.running[request.number] = request  # in the batch from here: a failure ends it too
+            self.prompt_tokens += len(request.prompt)
             if request.score_prompt:  # its prompt scored at every position: nothing of it comes from the cache
                 scored = self._score(request)[0]  # the row goes on from it, all but the last token (prefilled
                 # again for the first new one): a recurrent state holds only after every token, so not there
@@ -436,10 +442,11 @@ class Engine:
                 if not request.score_prompt:  # nothing to compute: the prompt (echoed) is the answer
                     request.events.put(Update("done", "length"))
                     continue
+                self.prompt_tokens += len(request.prompt)
                 cache, first, score = self._score(request)
                 self.prompt_cache.store(prompt_key(request.prompt), row_cache(cache, 0, len(request.prompt)))
                 if request.max_tokens:
-                    request.produced = 1
+                    request.produced, self.generated_tokens = 1, self.generated_tokens + 1
                     request.events.put(Update("tokens", [first], [score]))
                 request.events.put(Update("done", "stop" if request.max_tokens and first in request.stop_tokens
                                           else "length"))
@@ -468,7 +475,9 @@ class Engine:
             for event in step.events():
                 request = self.running[event.tag]
                 request.acceptance.count(event)
+                self.served.count(event)
                 request.produced += len(event.emitted)
+                self.generated_tokens += len(event.emitted)
                 if event.emitted:
                     outbox.append((request, Update("tokens", event.emitted, event.log_probs)))
             outbox += [self._end(ended) for ended in step.ended]
