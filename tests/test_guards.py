@@ -113,7 +113,7 @@ async def texts(api, job) -> list:
 async def streamed(api, job) -> tuple[str, str]:
     """A streamed reply's text and its last finish reason, read from the SSE chunks."""
     text, finish = "", None
-    async for event in api.stream(job):
+    async for event in api.stream(job, api.submit(job)):
         if event.startswith("data: {"):
             for choice in json.loads(event[len("data: "):])["choices"]:
                 text += choice["text"]
@@ -151,7 +151,7 @@ def test_a_stop_string_split_across_two_rounds_is_held_back(pair):
         pieces = asyncio.run(texts(api, api.reader.job(body, "text")))
         stop, cut = straddling_stop(pieces)
         job = api.reader.job(body | {"stop": [stop]}, "text")
-        reply = asyncio.run(api.complete(job))["choices"][0]
+        reply = asyncio.run(api.complete(job, api.submit(job)))["choices"][0]
         assert (reply["text"], reply["finish_reason"]) == ("".join(pieces)[:cut], "stop")
         assert asyncio.run(streamed(api, api.reader.job(body | {"stop": stop, "stream": True}, "text"))) == (
             "".join(pieces)[:cut], "stop"

@@ -227,7 +227,7 @@ def test_a_request_that_waits_past_the_bound_gets_a_timeout(library, monkeypatch
         assert status == 504 and reply["error"]["code"] == "queue_timeout" and "retry later" in reply["error"]["message"]
         assert 1.0 <= time.monotonic() - started < 30
         status, events = completion(base, stream=True)
-        assert events[-1]["error"]["code"] == "queue_timeout"
+        assert events[-2]["error"]["code"] == "queue_timeout" and events[-1] == "[DONE]"
         first.join(WAIT)
         assert answers[0][0] == 200 and answers[0][1]["usage"]["completion_tokens"] == 80
         assert health(base)[1]["queue"]["timed_out"] == 2
