@@ -21,7 +21,11 @@ Breaks tried, and the tests that catch them:
   test_waiting_requests_hold_no_thread (the parse of a new request starves);
 - ``Engine.stats`` reading the prompt cache on the caller's thread:
   test_engine_state_is_read_on_the_engine_thread_only;
-- empty keys taken: test_an_empty_key_lets_nobody_in.
+- empty keys taken: test_an_empty_key_lets_nobody_in;
+- ``Conversations`` and ``Grammars`` without their locks: the two
+  ``shared_safely`` tests (a KeyError from an entry evicted by another thread);
+- the engine's "dead_end" passed through as a finish reason:
+  test_a_grammar_dead_end_finishes_as_each_api_defines.
 """
 
 import http.client
@@ -235,6 +239,31 @@ def test_overload_is_refused_before_streams_start_and_health_answers_throughout(
     assert greedy(base) == before
 
 
+class DeadEndEngine(ScriptedEngine):
+    """Every reply ends where its grammar admits no token."""
+
+    def submit(self, request):
+        request.events.put(Update("tokens", self.tokenizer.encode("{", add_special_tokens=False)))
+        request.events.put(Update("done", "dead_end"))
+        return request
+
+
+def test_a_grammar_dead_end_finishes_as_each_api_defines(tokenizer):
+    with running(create_app(DeadEndEngine(tokenizer), tokenizer, "m")) as base:
+        _, _, raw = send(base, "/v1/chat/completions", json.dumps(VALID["/v1/chat/completions"]).encode())
+        choice = json.loads(raw)["choices"][0]
+        assert (choice["finish_reason"], choice["finish_detail"]) == ("stop", "dead_end")
+        _, _, raw = send(base, "/v1/chat/completions", json.dumps(dict(VALID["/v1/chat/completions"],
+                                                                        stream=True)).encode())
+        chunks = [json.loads(line[len("data: "):]) for line in raw.decode().splitlines()
+                  if line.startswith("data: {")]
+        last = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]][-1]
+        assert (last["finish_reason"], last["finish_detail"]) == ("stop", "dead_end")
+        _, _, raw = send(base, "/v1/messages", json.dumps(VALID["/v1/messages"]).encode())
+        message = json.loads(raw)
+        assert (message["stop_reason"], message["stop_detail"]) == ("end_turn", "dead_end")
+
+
 class SilentEngine(ScriptedEngine):
     """An engine that takes every request and never answers (a long queue)."""
 
@@ -302,6 +331,69 @@ def test_engine_state_is_read_on_the_engine_thread_only(served):
         engine.prompt_cache = watched.inner
     assert threading.get_ident() not in watched.threads
     assert stats[-1]["prompt_cache"]["entries"] >= 1
+
+
+# ---- stores shared by the threads that read requests
+
+
+def hammered(work, threads: int = 8) -> list:
+    """Run ``work(k)`` on ``threads`` threads switching as often as the
+    interpreter allows; the exceptions they met."""
+    import sys
+
+    errors, interval = [], sys.getswitchinterval()
+
+    def run(k):
+        try:
+            work(k)
+        except Exception as error:  # a race: collected, the test names it
+            errors.append(error)
+
+    sys.setswitchinterval(1e-6)
+    try:
+        pool = [threading.Thread(target=run, args=(k,)) for k in range(threads)]
+        for thread in pool:
+            thread.start()
+        for thread in pool:
+            thread.join(WAIT)
+    finally:
+        sys.setswitchinterval(interval)
+    return errors
+
+
+def test_held_conversations_are_shared_safely():
+    from dspark_fn.serve.errors import ApiError
+    from dspark_fn.serve.responses import Conversations
+
+    held = Conversations(held=4)
+
+    def work(k):
+        for i in range(20_000):
+            ident = f"resp_{(7 * i + k) % 6}"
+            held.keep(ident, [i])
+            try:
+                held.before(ident)
+            except ApiError:  # evicted by another thread: a 404 the client can act on
+                pass
+
+    assert hammered(work) == []
+
+
+def test_compiled_grammars_are_shared_safely(tokenizer, monkeypatch):
+    from dspark_fn.serve import structured
+
+    monkeypatch.setattr(structured, "HELD_GRAMMARS", 4)
+    monkeypatch.setattr(structured, "Vocabulary", lambda *args, **kwargs: None)
+    monkeypatch.setattr(structured, "compile_constraint", lambda constraint, vocabulary, limits: ("compiled",
+                                                                                                    constraint))
+    grammars = structured.Grammars(tokenizer, 10, [0])
+
+    def work(k):
+        for i in range(20_000):
+            constraint = f"schema {(7 * i + k) % 6}"
+            assert grammars.compile(constraint) == ("compiled", constraint)
+
+    assert hammered(work) == []
 
 
 # ---- keys
