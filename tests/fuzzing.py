@@ -100,10 +100,19 @@ SWEPT = [None, True, -1, 0, 1 << 31, (1 << 63) - 1, 0.5, 1e300, "", "x", [], [No
 
 def sweep(endpoint: str):
     """Every declared field of ``endpoint`` set to each value of ``SWEPT`` in
-    a valid sampled body: each field's edges, met once each."""
+    a valid sampled body, and so are a message's role and a content part's
+    fields: each field's edges, met once each."""
+    valid = VALID[endpoint] | {"temperature": 0.7}
     for name in FIELDS[endpoint]:
         for value in SWEPT:
-            yield json.loads(json.dumps(VALID[endpoint])) | {"temperature": 0.7, name: value}
+            yield valid | {name: value}
+    key = "input" if endpoint == "/v1/responses" else "prompt" if endpoint == "/v1/completions" else "messages"
+    part = {"type": "text", "text": "hi"}
+    for value in SWEPT:
+        for mangled in ({"role": value, "content": "hi"}, {"role": "user", "content": value},
+                        {"role": "user", "content": [part | {"type": value}]},
+                        {"role": "user", "content": [part | {"text": value}]}):
+            yield valid | {key: [mangled]}
 
 
 # valid on every endpoint but for one number a lenient parser takes, in a free-form field

@@ -112,7 +112,7 @@ def by_type(**variants) -> Any:
     """A union of part models chosen by the part's ``type`` (``OtherPart`` for any other)."""
     def tag(value) -> str:
         kind = value.get("type") if isinstance(value, dict) else None
-        return kind if kind in variants else "other"
+        return kind if isinstance(kind, str) and kind in variants else "other"
 
     tagged = [Annotated[model, Tag(kind)] for kind, model in variants.items()]
     return Annotated[Union[tuple(tagged) + (Annotated[OtherPart, Tag("other")],)], Discriminator(tag)]
