@@ -23,12 +23,13 @@ answer what it answered before the campaign, ``/health`` must answer 200, and
 the server's RSS is read from ``/proc/PID/status``. The campaign stops early
 if the server process exits.
 
-    python bench/fuzz.py            # REQUESTS=10000 CLIENTS=4 CHECK_EVERY=500 RAW=0.1 KEYS=0.1
+    python bench/fuzz.py            # REQUESTS=10000 CLIENTS=4 CHECK_EVERY=500 RAW=0.1 KEYS=0.1 PROMPT_CACHE_MB=64
 
 Environment: REQUESTS (fuzzed requests in all, sweeps included; the periodic
 checks come on top), CLIENTS (client threads; endpoints are dealt to them in
 turn), CHECK_EVERY, RAW and KEYS (the shares of raw bodies and wrong keys),
-JSON (a path: the summary is written there too). The summary is printed as
+PROMPT_CACHE_MB (the server's ``--prompt-cache-mb``: its memory grows until
+the prompt cache is full, then stays), JSON (a path: the summary is written there too). The summary is printed as
 JSON.
 """
 
@@ -59,6 +60,7 @@ CLIENTS = int(os.environ.get("CLIENTS", 4))
 CHECK_EVERY = int(os.environ.get("CHECK_EVERY", 500))
 RAW = float(os.environ.get("RAW", 0.1))
 KEYS = float(os.environ.get("KEYS", 0.1))
+PROMPT_CACHE_MB = int(os.environ.get("PROMPT_CACHE_MB", 64))  # the bound the prompt cache's memory fills up to
 KEY = "fuzz-key"
 ENDPOINTS = sorted(VALID)
 WAIT = 60  # seconds any one answer may take: past it, a hang
@@ -133,7 +135,8 @@ class Server:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "dspark_fn.cli", "serve", "--model", str(root / "target"), "--draft",
              str(root / "draft"), "--port", str(self.port), "--api-key", KEY, "--max-context", "512", "--dtype",
-             "float32", "--allow-image-files", str(images), "--allow-image-urls", "--max-batch", "4"],
+             "float32", "--allow-image-files", str(images), "--allow-image-urls", "--max-batch", "4",
+             "--prompt-cache-mb", str(PROMPT_CACHE_MB)],
             stdout=self.log.open("w"), stderr=subprocess.STDOUT,
             env=dict(os.environ, DSPARK_FN_CACHE=str(root / "costs")))
         for _ in range(1200):

@@ -110,12 +110,12 @@ class OtherPart(Declared):
 
 def by_type(**variants) -> Any:
     """A union of part models chosen by the part's ``type`` (``OtherPart`` for any other)."""
-    def tag(value) -> str:
+    def tag(value) -> str:  # not an identifier: error paths leave it out (``field_path``)
         kind = value.get("type") if isinstance(value, dict) else None
-        return kind if isinstance(kind, str) and kind in variants else "other"
+        return f"{kind}-part" if isinstance(kind, str) and kind in variants else "other-part"
 
-    tagged = [Annotated[model, Tag(kind)] for kind, model in variants.items()]
-    return Annotated[Union[tuple(tagged) + (Annotated[OtherPart, Tag("other")],)], Discriminator(tag)]
+    tagged = [Annotated[model, Tag(f"{kind}-part")] for kind, model in variants.items()]
+    return Annotated[Union[tuple(tagged) + (Annotated[OtherPart, Tag("other-part")],)], Discriminator(tag)]
 
 
 class TextPart(Declared):
