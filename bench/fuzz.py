@@ -52,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import dspark_fn  # noqa: E402,F401  before mlx: OpenBLAS then serves MLX (dspark_fn/blas.py)
 from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
 
+import fuzzing  # noqa: E402
 from fuzzing import VALID, bodies, check_answer, raw_bodies, sweep  # noqa: E402
 from multimodal import synthetic_image, write_pair  # noqa: E402
 
@@ -89,15 +90,7 @@ def rss_mb(pid: int, field: str = "VmRSS") -> float | None:
 
 
 def send(port: int, path: str, raw: bytes, headers: dict | None = None, method: str = "POST") -> tuple:
-    """``(status, headers, whole body)`` of one request, streams read to their end."""
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=WAIT)
-    try:
-        connection.request(method, path, body=raw, headers={"content-type": "application/json",
-                                                            "authorization": f"Bearer {KEY}", **(headers or {})})
-        response = connection.getresponse()
-        return response.status, {k.lower(): v for k, v in response.getheaders()}, response.read()
-    finally:
-        connection.close()
+    return fuzzing.send(f"http://127.0.0.1:{port}", path, raw, KEY, headers, method, WAIT)
 
 
 def error_message(raw: bytes) -> str:

@@ -7,6 +7,7 @@ thousands deep); and keys that are wrong or empty. ``check_answer`` says
 whether one answer is acceptable: never a 5xx, every 4xx an error in the
 endpoint's API shape, every 200 a complete body or stream."""
 
+import http.client
 import json
 
 from hypothesis import strategies as st
@@ -165,3 +166,18 @@ def check_answer(endpoint: str, status: int, headers: dict, raw: bytes) -> str |
     except ValueError:
         return f"a 200 whose body is not JSON: {raw[:200]!r}"
     return None
+
+
+def send(base: str, path: str, raw: bytes, key: str, headers: dict | None = None, method: str = "POST",
+         timeout: float = 60) -> tuple:
+    """``(status, headers, whole body)`` of one request to the server at
+    ``base`` carrying ``key``, streams read to their end."""
+    host, port = base.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=timeout)
+    try:
+        connection.request(method, path, body=raw, headers={"content-type": "application/json",
+                                                            "authorization": f"Bearer {key}", **(headers or {})})
+        response = connection.getresponse()
+        return response.status, {k.lower(): v for k, v in response.getheaders()}, response.read()
+    finally:
+        connection.close()

@@ -32,21 +32,20 @@ import http.client
 import json
 import threading
 import time
-from types import SimpleNamespace
 
 import pytest
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
 
-from dspark_fn.catalog import load_named  # noqa: E402
 from dspark_fn.serve.access import KEY_VARIABLE, read_keys  # noqa: E402
 from dspark_fn.serve.app import create_app  # noqa: E402
 from dspark_fn.serve.engine import Engine, QueueFull, Update  # noqa: E402
 from dspark_fn.serve.images import ImageSources  # noqa: E402
+import fuzzing  # noqa: E402
 from fuzzing import VALID, bodies, check_answer, is_error_shaped, raw_bodies, sweep  # noqa: E402
 from helpers import running  # noqa: E402
-from multimodal import write_pair  # noqa: E402
+from test_serve_images import release  # noqa: E402,F401  the tiny multimodal pair
 from test_serve_tools import ScriptedEngine  # noqa: E402
 
 KEY = "boundary-key"
@@ -58,16 +57,7 @@ FUZZ = settings(max_examples=100, deadline=None, derandomize=True, database=None
 
 
 def send(base: str, path: str, raw: bytes, headers: dict | None = None, method: str = "POST") -> tuple:
-    """``(status, headers, whole body)`` of one request, streams read to their end."""
-    host, port = base.removeprefix("http://").split(":")
-    connection = http.client.HTTPConnection(host, int(port), timeout=WAIT)
-    try:
-        connection.request(method, path, body=raw, headers={"content-type": "application/json",
-                                                            "authorization": f"Bearer {KEY}", **(headers or {})})
-        response = connection.getresponse()
-        return response.status, {k.lower(): v for k, v in response.getheaders()}, response.read()
-    finally:
-        connection.close()
+    return fuzzing.send(base, path, raw, KEY, headers, method, WAIT)
 
 
 def greedy(base: str) -> str:
@@ -75,14 +65,6 @@ def greedy(base: str) -> str:
         {"messages": [{"role": "user", "content": "what is here?"}], "max_tokens": 8, "temperature": 0}).encode())
     assert status == 200, raw
     return json.loads(raw)["choices"][0]["message"]["content"]
-
-
-@pytest.fixture(scope="module")
-def release(tmp_path_factory):
-    root = tmp_path_factory.mktemp("boundary")
-    write_pair(root, "gemma4")
-    params, tokenizer, _ = load_named(str(root / "target"), str(root / "draft"))
-    return SimpleNamespace(root=root, params=params, tokenizer=tokenizer)
 
 
 @pytest.fixture(scope="module")
