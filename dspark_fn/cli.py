@@ -241,6 +241,61 @@ def prompt_grammars(constraint, prompts: list, tokenizer, vocab_size: int, stop:
     return grammars
 
 
+def check_prompt_cache_arguments(args) -> None:
+    """``--prompt-cache`` and ``--save-prompt-cache`` go with one prompt of
+    text or ids, without images or ``--compare`` (whose timing would leave
+    out the prefill the file saves): refused before anything loads."""
+    count = len(args.prompt_tokens) if args.prompt_tokens else len(prompt_texts(args))
+    if count != 1 or args.image or args.compare:
+        raise SystemExit("dspark: --prompt-cache and --save-prompt-cache go with one prompt (not a batch, not "
+                         "--image, not --compare)")
+
+
+def prompt_cache_prefix(args, params, prompt: list):
+    """The cached prefix ``prompt`` resumes from: read from ``--prompt-cache
+    FILE`` (the tokens it shares with the prompt), or, for
+    ``--save-prompt-cache FILE``, the prompt but its last token prefilled and
+    saved there. Either way the last token is prefilled from that state, so
+    the run that saves and every run that resumes the same prompt compute
+    the same (a hybrid target's recurrent states resume only at the file's
+    length, which a prompt that repeats the saved one reaches)."""
+    from .buffers import capacity_for, init_cache
+    from .prefilling import prefill
+    from .prompt_files import load_prompt_cache, prompt_prefix, save_prompt_cache
+
+    if world_group().size() > 1:
+        raise SystemExit("dspark: a prompt-cache file holds one process's whole cache: drop --prompt-cache and "
+                         "--save-prompt-cache under mlx.launch")
+    if args.prompt_cache:
+        cache, held, _ = load_prompt_cache(args.prompt_cache, params)
+        prefix = prompt_prefix(cache, held, prompt)
+        print(f"[prompt cache: {int(prefix.length[0])} of the prompt's {len(prompt)} tokens read from "
+              f"{args.prompt_cache}]", file=sys.stderr)
+        return prefix
+    if len(prompt) < 2:
+        raise ValueError("--save-prompt-cache saves the prompt but its last token: give a prompt of two tokens or more")
+    held = prompt[:-1]
+    cache, anchor = prefill(params, init_cache(params, 1, capacity_for(1)), held, grow=True)
+    save_prompt_cache(args.save_prompt_cache, params, cache, held, anchor)
+    print(f"[prompt cache: {len(held)} tokens saved to {args.save_prompt_cache}]", file=sys.stderr)
+    return cache
+
+
+def resumed_events(params, prompt: list, prefix, max_new_tokens: int, *, stop_tokens, sampling, seed, width,
+                   confidence_threshold, proposals, constraint):
+    """``generate``'s events for one prompt whose first tokens the cache
+    ``prefix`` holds: only the rest is prefilled (``Decoder.insert``)."""
+    from .driver import Decoder
+
+    decoder = Decoder(params, 1, width=width, confidence_threshold=confidence_threshold, seed=seed,
+                      cost_sampling=sampling, proposals=proposals)
+    step = decoder.insert([prompt], tags=[0], sampling=sampling, seeds=[seed], prefix=prefix,
+                          max_new_tokens=max_new_tokens, stop_tokens=stop_tokens, constraints=constraint)
+    yield from step.events()
+    while decoder.busy:
+        yield from decoder.step().events()
+
+
 def run_generate(args) -> int:
     from .driver import generate
     from .kernel import TRACE_COUNTS
@@ -248,6 +303,9 @@ def run_generate(args) -> int:
 
     if args.image:
         check_image_arguments(args)
+    cached = args.prompt_cache or args.save_prompt_cache
+    if cached:
+        check_prompt_cache_arguments(args)
     images = read_images(args.image) if args.image else []
     params, tokenizer, config = load(args)
     prompts = image_prompt_list(args, params, tokenizer, images) if images else prompt_list(args, tokenizer)
@@ -263,7 +321,11 @@ def run_generate(args) -> int:
     clock = DecodeClock(lambda: sum(TRACE_COUNTS.values()))
     start = time.perf_counter()
     try:
-        events = generate(params, prompts, args.max_tokens, stop_tokens=stop, **options)
+        if cached:
+            prefix = prompt_cache_prefix(args, params, prompts[0])
+            events = resumed_events(params, prompts[0], prefix, args.max_tokens, stop_tokens=stop, **options)
+        else:
+            events = generate(params, prompts, args.max_tokens, stop_tokens=stop, **options)
         for event in clock.watch(events):
             sequences[event.tag].append(event)
             overall.count(event)
@@ -523,6 +585,13 @@ def build_parser() -> argparse.ArgumentParser:
     held.add_argument("--regex", metavar="R", help="hold the output to the regular expression R (matched whole)")
     held.add_argument("--grammar", metavar="FILE", help="hold the output to the Lark (llguidance's dialect) or GBNF "
                       "grammar in FILE")
+    cache_file = gen.add_mutually_exclusive_group()
+    cache_file.add_argument("--save-prompt-cache", metavar="FILE", help="prefill the prompt but its last token and "
+                            "save that cache to FILE (one file, written whole), for later runs to resume with "
+                            "--prompt-cache")
+    cache_file.add_argument("--prompt-cache", metavar="FILE", help="resume from a cache --save-prompt-cache saved "
+                            "for this model: only the prompt's tokens after those it shares with the file are "
+                            "prefilled (a hybrid target's prompt must start with all of the file's tokens)")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text "
                      '(several prompts: {"batch": [one object per prompt]})')
     gen.add_argument("--compare", action="store_true", help="also run the target alone and print the speedup")
