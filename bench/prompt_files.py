@@ -32,17 +32,12 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from hybrids import HYBRID_SHAPES  # noqa: E402  the tests' tiny hybrid shapes
+
 PROMPT_TOKENS = 3000
 NEW_TOKENS = 32
-HYBRID = {  # tests/hybrids.py's qwen3_5 shape
-    "model_type": "qwen3_5", "vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 6,
-    "intermediate_size": 128, "full_attention_interval": 3, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
-    "linear_key_head_dim": 16, "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4,
-    "rms_norm_eps": 1e-6, "max_position_embeddings": 4096, "tie_word_embeddings": False,
-    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
-                        "mrope_section": [2, 1, 1], "mrope_interleaved": True},
-}
+HYBRID = HYBRID_SHAPES["qwen3_5"]
 
 
 def build_hybrid(root: Path) -> None:

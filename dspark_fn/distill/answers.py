@@ -29,7 +29,8 @@ class Answer(NamedTuple):
     answer: list
 
 
-def _complete_lines(path: Path) -> list[str]:
+def complete_lines(path: Path) -> list[str]:
+    """The lines of a file appended line by line, up to a torn one (a kill mid-line)."""
     lines = path.read_text().splitlines() if path.is_file() else []
     for count, line in enumerate(lines):
         try:
@@ -41,14 +42,14 @@ def _complete_lines(path: Path) -> list[str]:
 
 def read_answers(path) -> list[Answer]:
     """Every complete line of an answers file (a torn last line is ignored)."""
-    return [Answer(**json.loads(line)) for line in _complete_lines(Path(path))]
+    return [Answer(**json.loads(line)) for line in complete_lines(Path(path))]
 
 
 def _drop_torn_tail(path: Path) -> None:
     """Rewrite the file without a torn last line (whole or not at all), so appends follow a complete line."""
     if path.is_file():
         text = path.read_text()
-        lines = _complete_lines(path)
+        lines = complete_lines(path)
         complete = "".join(line + "\n" for line in lines)
         if text != complete:
             atomic.write_text(path, complete)
