@@ -281,21 +281,6 @@ def prompt_cache_prefix(args, params, prompt: list):
     return cache
 
 
-def resumed_events(params, prompt: list, prefix, max_new_tokens: int, *, stop_tokens, sampling, seed, width,
-                   confidence_threshold, proposals, constraint):
-    """``generate``'s events for one prompt whose first tokens the cache
-    ``prefix`` holds: only the rest is prefilled (``Decoder.insert``)."""
-    from .driver import Decoder
-
-    decoder = Decoder(params, 1, width=width, confidence_threshold=confidence_threshold, seed=seed,
-                      cost_sampling=sampling, proposals=proposals)
-    step = decoder.insert([prompt], tags=[0], sampling=sampling, seeds=[seed], prefix=prefix,
-                          max_new_tokens=max_new_tokens, stop_tokens=stop_tokens, constraints=constraint)
-    yield from step.events()
-    while decoder.busy:
-        yield from decoder.step().events()
-
-
 def run_generate(args) -> int:
     from .driver import generate
     from .kernel import TRACE_COUNTS
@@ -321,11 +306,8 @@ def run_generate(args) -> int:
     clock = DecodeClock(lambda: sum(TRACE_COUNTS.values()))
     start = time.perf_counter()
     try:
-        if cached:
-            prefix = prompt_cache_prefix(args, params, prompts[0])
-            events = resumed_events(params, prompts[0], prefix, args.max_tokens, stop_tokens=stop, **options)
-        else:
-            events = generate(params, prompts, args.max_tokens, stop_tokens=stop, **options)
+        prefix = prompt_cache_prefix(args, params, prompts[0]) if cached else None
+        events = generate(params, prompts, args.max_tokens, stop_tokens=stop, prefix=prefix, **options)
         for event in clock.watch(events):
             sequences[event.tag].append(event)
             overall.count(event)

@@ -556,6 +556,7 @@ def generate(
     costs: CostCurve | None = None,
     proposals: str = "auto",
     constraint=None,
+    prefix: Cache | None = None,
 ) -> Iterator[Event]:
     """DSpark generation for one prompt or a batch of prompts (a list of
     token lists; a prompt with images is an ``ImagePrompt``, from
@@ -579,7 +580,10 @@ def generate(
     ``Grammar`` or None per prompt (``Decoder.insert``); a constrained
     sequence ends at its grammar's end-of-sequence token ("stop") or where
     its grammar admits no token ("dead_end"), and its greedy output equals
-    the target's greedy decoding under the same grammar.
+    the target's greedy decoding under the same grammar. ``prefix``: a
+    one-row cache holding the first tokens of the one prompt (a prompt-cache
+    file's, ``prompt_files.prompt_prefix``): only the rest is prefilled, and
+    the row draws with ``seed`` itself.
     """
     rows = as_rows(prompt)
     if max_new_tokens < 1:
@@ -590,8 +594,14 @@ def generate(
     )
     if capacity is not None:
         _initial_capacity(rows, max_new_tokens, decoder.planner.max_width, capacity)
-    step = decoder.start(rows, sampling, tags=range(len(rows)), max_new_tokens=max_new_tokens, stop_tokens=stop_tokens,
-                         constraints=constraint)
+    if prefix is None:
+        step = decoder.start(rows, sampling, tags=range(len(rows)), max_new_tokens=max_new_tokens,
+                             stop_tokens=stop_tokens, constraints=constraint)
+    elif len(rows) == 1:
+        step = decoder.insert(rows, tags=[0], sampling=sampling, seeds=[seed], prefix=prefix,
+                              max_new_tokens=max_new_tokens, stop_tokens=stop_tokens, constraints=constraint)
+    else:
+        raise ValueError(f"a prefix continues one prompt; {len(rows)} were given")
     yield from step.events()
     while decoder.busy:
         yield from decoder.step().events()

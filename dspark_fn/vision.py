@@ -181,29 +181,39 @@ def release_processor(directory: Path, config: dict):
 # ---- images in
 
 
+def opened_image(source, index: int = 0):
+    """A PIL image from a path, bytes or a PIL image, its header read and
+    nothing decoded (its ``size`` is known); a file that is not an image is
+    refused with a ``ValueError`` naming image ``index`` (1-based in the
+    message)."""
+    from PIL import Image, UnidentifiedImageError
+
+    name = f"image {index + 1}"
+    if isinstance(source, Image.Image):
+        return source
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            return Image.open(io.BytesIO(source) if isinstance(source, (bytes, bytearray)) else source)
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as error:
+        raise ValueError(f"{name} would decode into too many pixels (a decompression bomb?): {error}") from None
+    except FileNotFoundError:
+        raise ValueError(f"{name}: no such file {source}") from None
+    except UnidentifiedImageError:
+        raise ValueError(f"{name} is not an image this reader knows (PNG, JPEG, GIF, WebP, ...)") from None
+    except OSError as error:
+        raise ValueError(f"{name} could not be read: {error}") from None
+
+
 def read_image(source, index: int = 0, max_pixels: int = MAX_IMAGE_PIXELS):
     """An RGB PIL image from a path, bytes or a PIL image; a file that is not
     an image, is cut short, or would decode into more than ``max_pixels``
     pixels is refused with a ``ValueError`` naming image ``index`` (1-based in
     the message) before it is decoded."""
-    from PIL import Image, ImageOps, UnidentifiedImageError
+    from PIL import ImageOps
 
     name = f"image {index + 1}"
-    if isinstance(source, Image.Image):
-        image = source
-    else:
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("error", Image.DecompressionBombWarning)
-                image = Image.open(io.BytesIO(source) if isinstance(source, (bytes, bytearray)) else source)
-        except (Image.DecompressionBombError, Image.DecompressionBombWarning) as error:
-            raise ValueError(f"{name} would decode into too many pixels (a decompression bomb?): {error}") from None
-        except FileNotFoundError:
-            raise ValueError(f"{name}: no such file {source}") from None
-        except UnidentifiedImageError:
-            raise ValueError(f"{name} is not an image this reader knows (PNG, JPEG, GIF, WebP, ...)") from None
-        except OSError as error:
-            raise ValueError(f"{name} could not be read: {error}") from None
+    image = opened_image(source, index)
     width, height = image.size
     if width * height > max_pixels:
         raise ValueError(f"{name} is {width} x {height} pixels ({width * height:,}); images may decode into at most "

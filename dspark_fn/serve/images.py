@@ -40,13 +40,12 @@ import ssl
 import stat
 import threading
 import time
-import warnings
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from urllib.parse import unquote, urljoin, urlparse, urlsplit
 
-from ..vision import MAX_IMAGE_PIXELS
+from ..vision import MAX_IMAGE_PIXELS, opened_image
 from .errors import ApiError
 
 # The same words for a missing file, one outside the directory, a device, a
@@ -153,19 +152,11 @@ def data_url_bytes(url: str, param: str) -> bytes:
 
 
 def header_pixels(data: bytes, index: int, param: str) -> int:
-    """The pixels image ``index`` would decode into, from its header alone (``Image.open`` decodes nothing)."""
-    from PIL import Image
-
-    name = f"image {index + 1}"
+    """The pixels image ``index`` would decode into, from its header alone (``vision.opened_image``)."""
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # the sum is checked by the caller
-            with Image.open(io.BytesIO(data)) as image:
-                width, height = image.size
-    except Image.DecompressionBombError:
-        raise ApiError(f"{name} would decode into too many pixels (a decompression bomb?)", param) from None
-    except (OSError, ValueError):
-        raise ApiError(f"{name} is not an image this server reads (PNG, JPEG, GIF, WebP, ...)", param) from None
+        width, height = opened_image(data, index).size
+    except ValueError as error:
+        raise ApiError(str(error), param) from None
     return width * height
 
 

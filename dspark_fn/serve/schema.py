@@ -19,6 +19,7 @@ The models are also the app's OpenAPI schema (``openapi_schemas``).
 
 import json
 import math
+from functools import cache
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError
@@ -445,6 +446,7 @@ def unimplemented(body: dict) -> None:
         raise ApiError("'logit_bias' is not supported: the target's own distribution is sampled", "logit_bias")
 
 
+@cache
 def openapi_schemas() -> dict:
     """The request models as OpenAPI components, and each endpoint's body referring to one."""
     template = "#/components/schemas/{model}"
