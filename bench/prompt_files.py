@@ -73,8 +73,8 @@ def load(pair: str):
     return params, np.random.default_rng(0).integers(0, HYBRID["vocab_size"] - 1, PROMPT_TOKENS).tolist()
 
 
-def long_chat_prompt(tokenizer) -> list[int]:
-    """The bundled training prompts, numbered, in one user turn of about ``PROMPT_TOKENS`` tokens."""
+def long_chat_prompt(tokenizer, tokens: int = PROMPT_TOKENS) -> list[int]:
+    """The bundled training prompts, numbered, in one user turn of about ``tokens`` tokens."""
     lines = (Path(dspark_fn.__file__).parent / "data" / "train_prompts.jsonl").read_text().splitlines()
     questions = [json.loads(line)["turns"][0] for line in lines if line.strip()]
     text, prompt = "", []
@@ -82,7 +82,7 @@ def long_chat_prompt(tokenizer) -> list[int]:
         text += f"{number}. {question}\n\n"
         turn = [{"role": "user", "content": text + "Answer the last question."}]
         prompt = tokenizer.apply_chat_template(turn, add_generation_prompt=True)
-        if len(prompt) >= PROMPT_TOKENS:
+        if len(prompt) >= tokens:
             break
     return prompt
 

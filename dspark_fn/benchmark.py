@@ -14,6 +14,7 @@ from .prefilling import prefill, prefill_slots
 from .rounds import propose, verify
 from .sampling import allowed_tokens
 from .stats import Tally
+from .types import Params
 
 
 def baseline_tokens(model, prompt: list[int], max_new_tokens: int, stop: set, temperature: float = 0.0,
@@ -124,19 +125,21 @@ class BenchResult:
 def run_side_by_side(candidates: dict, model, prompts, max_new_tokens, stop, repeats=3, on_step=lambda: None,
                      **options) -> dict[str, BenchResult]:
     """Each repeat runs every prompt through the target alone once, then through each
-    candidate ``{name: params}`` (the order rotating by repeat); tokens/s per repeat, so
-    every candidate's ratio shares one baseline. Returns a result per candidate.
-    With ``sampling=Sampling(temperature=T)`` among the options the target alone
-    samples at T too (mlx-lm's sampler), and tokens are not compared."""
+    candidate ``{name: params}`` or ``{name: (params, options of its own)}`` (the order
+    rotating by repeat); tokens/s per repeat, so every candidate's ratio shares one
+    baseline. Returns a result per candidate. With ``sampling=Sampling(temperature=T)``
+    among the options the target alone samples at T too (mlx-lm's sampler), and
+    tokens are not compared."""
     if not candidates:
         raise ValueError("run_side_by_side needs at least one candidate: pass {name: params}")
     stop = set(stop)
     names = list(candidates)
+    candidates = {name: (value, {}) if isinstance(value, Params) else value for name, value in candidates.items()}
     temperature = getattr(options.get("sampling"), "temperature", 0.0)
     results = {name: BenchResult(prompts=len(prompts), identical=True if not temperature else None) for name in names}
     # Warm-up: compile dspark's kernels and mlx-lm's graph once, outside the timings.
-    for params in candidates.values():
-        dspark_tokens(params, prompts[0], 8, stop, **options)
+    for params, own in candidates.values():
+        dspark_tokens(params, prompts[0], 8, stop, **options, **own)
     baseline_tokens(model, prompts[0], 8, stop, temperature)
     for repeat in range(repeats):
         order = names[repeat % len(names) :] + names[: repeat % len(names)]
@@ -149,8 +152,9 @@ def run_side_by_side(candidates: dict, model, prompts, max_new_tokens, stop, rep
             for name in order:
                 result = results[name]
                 acceptance = result.acceptance if repeat == 0 else None
-                tokens, seconds = timed(dspark_tokens, candidates[name], prompt, max_new_tokens, stop, acceptance,
-                                        **options)
+                params, own = candidates[name]
+                tokens, seconds = timed(dspark_tokens, params, prompt, max_new_tokens, stop, acceptance,
+                                        **options, **own)
                 counts[name][0] += len(tokens)
                 counts[name][1] += seconds
                 if not temperature:

@@ -40,6 +40,10 @@ def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where proposals come from: the DSpark draft, copies of earlier stretches of the "
                         "context (no draft pass), or 'auto' (default: with --width auto, per sequence and round, "
                         "whichever the measured acceptance and costs favour; a fixed --width N drafts every round)")
+    parser.add_argument("--store", metavar="PATH", help="a store of the target's past answers (from 'dspark store "
+                        "build' or an earlier --store run) proposing beside copies and the draft, or 'none'. Default: "
+                        "the shipped store for the embedded default model, none for others. generate and serve add "
+                        "each finished answer and save the store back to PATH (a new file where there is none yet)")
 
 
 def add_chat_arguments(parser: argparse.ArgumentParser) -> None:
@@ -140,16 +144,45 @@ def parse_width(text: str):
         raise argparse.ArgumentTypeError(f"--width wants a width (an integer) or 'auto', got {text!r}") from None
 
 
-def verify_options(args) -> dict:
-    """``generate`` keywords from the verification flags."""
-    return dict(width=args.width, confidence_threshold=args.confidence_threshold, proposals=args.proposals)
+def answer_store(args, params, learning: bool):
+    """The store ``--store`` names as a point source (a new, empty store
+    where its file does not exist yet; the shipped one by default for the
+    embedded default model), or None. A file made for another target or
+    vocabulary is refused."""
+    from pathlib import Path
+
+    from .catalog import DEFAULT_ALIAS
+    from .sources import StoredAnswers
+    from .store import DEFAULT_IDENTITY, DEFAULT_STORE, Store, load
+
+    identity, vocab_size = args.model or DEFAULT_ALIAS, params.spec.target.vocab_size
+    if args.store == "none" or (args.store is None and identity != DEFAULT_IDENTITY):
+        return None
+    path = Path(args.store) if args.store is not None else DEFAULT_STORE
+    store = load(path, vocab_size, identity) if path.exists() else Store(vocab_size, identity)
+    return StoredAnswers(store, learning=learning and args.store is not None)
 
 
-def decoding_options(args) -> dict:
+def save_store(args, source) -> None:
+    """The store back to ``--store PATH``, with what this run added to it."""
+    if source is not None and source.learning:
+        source.store.save(args.store)
+        print(f"[store: {len(source.store)} contexts saved to {args.store}]", file=sys.stderr)
+
+
+def verify_options(args, store=None) -> dict:
+    """``generate`` keywords from the verification flags, with ``store`` (an ``answer_store``) among the sources."""
+    from .sources import default_sources
+
+    return dict(width=args.width, confidence_threshold=args.confidence_threshold, proposals=args.proposals,
+                sources=default_sources() + ((store,) if store is not None else ()))
+
+
+def decoding_options(args, store=None) -> dict:
     """``generate`` keywords from the sampling and verification flags."""
     from .sampling import Sampling
 
-    return dict(sampling=Sampling(args.temp, args.top_k, args.top_p), seed=args.seed, **verify_options(args))
+    return dict(sampling=Sampling(args.temp, args.top_k, args.top_p), seed=args.seed, **verify_options(args, store))
 
 
 def stop_ids(tokenizer) -> list[int]:
@@ -298,7 +331,8 @@ def run_generate(args) -> int:
         raise SystemExit("dspark: --compare takes a single prompt")
     stop = stop_ids(tokenizer)
     grammars = prompt_grammars(constraint_of(args), prompts, tokenizer, params.spec.target.vocab_size, stop)
-    options = decoding_options(args) | {"constraint": grammars}
+    store = answer_store(args, params, learning=True)
+    options = decoding_options(args, store) | {"constraint": grammars}
     stream = TextStream(tokenizer, stop) if not args.json and len(prompts) == 1 else None
     sequences, overall = {index: [] for index in range(len(prompts))}, Tally()  # the prompt's index -> its events
     if args.compare:
@@ -316,6 +350,7 @@ def run_generate(args) -> int:
     except KeyboardInterrupt:
         print("\ndspark: interrupted", file=sys.stderr)
     elapsed = time.perf_counter() - start
+    save_store(args, store)
     reports = [sequence_report(sequences[index]) | {"tokens_per_s": clock.tokens_per_s, "seconds": elapsed}
                for index in range(len(prompts))]
     tokens = [report["tokens"] for report in reports]
@@ -387,7 +422,8 @@ def run_bench(args) -> int:
     bar = progress(len(prompts) * args.repeats, "bench")
     try:
         result = bench(params, mlx_lm_model(config, params.target), prompts, args.max_tokens,
-                       stop_ids(tokenizer), repeats=args.repeats, on_step=bar.update, **verify_options(args))
+                       stop_ids(tokenizer), repeats=args.repeats, on_step=bar.update,
+                       **verify_options(args, answer_store(args, params, learning=False)))
     finally:
         bar.close()
     summary = result.summary()
@@ -415,7 +451,8 @@ def run_eval(args) -> int:
         bar.set_postfix(tau=f"{acceptance.tau:.2f}")
 
     acceptance, done, interrupted = run_prompts(
-        params, prompts, args.max_tokens, stop_ids(tokenizer), on_prompt, **verify_options(args)
+        params, prompts, args.max_tokens, stop_ids(tokenizer), on_prompt,
+        **verify_options(args, answer_store(args, params, learning=False))
     )
     bar.close()
     summary = {"dataset": args.dataset, "prompts": done, "interrupted": interrupted, **acceptance.summary()}
@@ -428,6 +465,40 @@ def run_eval(args) -> int:
     print("per-slot acceptance: " + " ".join(f"{a:.2f}" for a in acceptance.per_slot))
     print(f"rounds by source: {acceptance.sources_line()}")
     return 130 if interrupted else 0
+
+
+def answer_sequences(path) -> list:
+    """The token ids of each answer in a ``.jsonl`` file: ``{"answer": [ids], ...}``
+    per line (``dspark train``'s answers) or a list of ids per line; a torn last line is left out."""
+    from pathlib import Path
+
+    from .distill.answers import complete_lines
+
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"no answers file at {path}")
+    sequences = []
+    for number, line in enumerate(complete_lines(Path(path)), 1):
+        row = json.loads(line)
+        tokens = row.get("answer") if isinstance(row, dict) else row
+        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+            raise ValueError(f"{path} line {number}: an answer is a list of token ids (or an object whose "
+                             f"\"answer\" is one)")
+        sequences.append(tokens)
+    return sequences
+
+
+def run_store_build(args) -> int:
+    from .catalog import DEFAULT_ALIAS, target_config_named
+    from .store import build_store
+
+    vocab_size = int(target_config_named(args.model)["vocab_size"])
+    sequences = [tokens for path in args.answers for tokens in answer_sequences(path)]
+    capacity = {} if args.capacity is None else {"capacity": args.capacity}
+    store = build_store(sequences, vocab_size, args.model or DEFAULT_ALIAS, **capacity)
+    store.save(args.out)
+    print(f"dspark: a store of {len(store)} contexts from {len(sequences)} answers saved to {args.out}",
+          file=sys.stderr)
+    return 0
 
 
 def run_models(args) -> int:
@@ -489,8 +560,10 @@ def run_serve(args) -> int:
     engine = Engine(
         params, max_batch=args.max_batch, max_context=args.max_context,
         prompt_cache_bytes=args.prompt_cache_mb << 20, group=group, max_queue=args.max_queue,
-        queue_timeout=args.queue_timeout,
-        grammars=Grammars(tokenizer, params.spec.target.vocab_size, stop_ids(tokenizer)), **verify_options(args),
+        queue_timeout=args.queue_timeout, prompt_cache_dir=args.prompt_cache_dir,
+        prompt_cache_dir_bytes=args.prompt_cache_dir_bytes,
+        grammars=Grammars(tokenizer, params.spec.target.vocab_size, stop_ids(tokenizer)),
+        **verify_options(args, store := answer_store(args, params, learning=True)),
     )
     if group.rank() != 0:  # no clients here: the same engine loop, its inputs from rank 0
         engine.follow()
@@ -499,7 +572,7 @@ def run_serve(args) -> int:
     options = dict(fingerprint=system_fingerprint(name, resolve(args.model, args.draft)[1]), api_keys=keys,
                    max_body_bytes=int(args.max_body_mb * (1 << 20)),
                    image_sources=images)
-    if serve(engine, tokenizer, name, args.host, args.port, **options):
+    if serve(engine, tokenizer, name, args.host, args.port, on_stop=lambda: save_store(args, store), **options):
         raise SystemExit(f"dspark: the decoding engine failed and could not start again ({engine.failure})")
     return 0
 
@@ -641,6 +714,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-context", type=int, default=4096, help="prompt + completion tokens per request")
     serve.add_argument("--prompt-cache-mb", type=int, default=1024,
                        help="memory for finished conversations whose prefix a new request can reuse (0: off)")
+    serve.add_argument("--prompt-cache-dir", metavar="DIR",
+                       help="keep the prompt cache's entries that leave memory, and all of them at shutdown, as "
+                       "checked files in DIR, reused by this server and the next one started over DIR")
+    serve.add_argument("--prompt-cache-dir-bytes", type=int, default=8 << 30, metavar="N",
+                       help="bytes of files DIR may hold; the least recently used are deleted past it (default 8 GiB)")
     serve.add_argument("--api-key", action="append", default=[],
                        help="a key every request but /health must carry (Authorization: Bearer or x-api-key); "
                        "repeatable; also --api-key-file and the DSPARK_API_KEY environment variable")
@@ -664,6 +742,19 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--queue-timeout", type=float, default=600,
                        help="seconds a request may wait for a row before it ends with a timeout error (504)")
     serve.set_defaults(run=run_serve)
+
+    stored = commands.add_parser("store", help="a store of a target's past answers, for --store")
+    store_commands = stored.add_subparsers(dest="store_command", required=True)
+    build = store_commands.add_parser("build", help="build a store from a target's own answers")
+    build.add_argument("--model", help="the target whose answers these are (its name is recorded; default: the "
+                       "embedded SmolLM2); --store refuses the file for any other --model")
+    build.add_argument("--answers", action="append", required=True, metavar="FILE",
+                       help="a .jsonl of answers: dspark train's answers.jsonl, or a list of token ids per line "
+                       "(repeat for several files)")
+    build.add_argument("--out", required=True, metavar="PATH", help="the store file to write (whole or not at all)")
+    build.add_argument("--capacity", type=int, help="the most contexts kept, the most frequent first (default: "
+                       "about half a million, some 100 MB in memory)")
+    build.set_defaults(run=run_store_build)
 
     models = commands.add_parser("models", help="list the model aliases")
     models.set_defaults(run=run_models)

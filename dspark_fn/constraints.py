@@ -386,6 +386,13 @@ class Matcher:
         end (its finish reason says so, never an illegal token)."""
         return self.refused is not None or self._state.is_error()
 
+    def stuck(self) -> bool:
+        """Whether no token may follow (``dead_end``), after computing what is
+        allowed next: the engine finds some dead ends only then."""
+        if not self.dead_end:
+            self._mask(self._state)
+        return self.dead_end
+
     def mask(self) -> np.ndarray:
         """The tokens allowed next, ``[ceil(V/32)]`` uint32 bits."""
         return self._mask(self._state) if not self.dead_end else np.zeros(self.grammar.vocabulary.words, np.uint32)

@@ -9,12 +9,14 @@ are the decoder's own: it picks a free row for each new sequence and moves
 the sequences when the batch is resized, so no caller keeps a row map.
 
 A sequence's ``Row`` holds its sampling settings, its committed length, its
-budget and stop tokens, whether it asked for log-probabilities, its copy
-index, its constraint's matcher and what it emitted so far. Every step cuts
+budget and stop tokens, whether it asked for log-probabilities, each point
+source's state for it, its constraint's matcher and what it emitted so far. Every step cuts
 each sequence's tokens by its own rule (``Row.cut``) and says which ended
 and why (``Step.finished``); none of ``generate``, the server's engine, the
 trainer's answering or the command line cuts tokens or counts a budget of
-its own. What each round proposes and how wide it verifies is the
+its own. Where proposals come from is the ``sources.Proposers``' business
+(the draft and the point sources, behind one interface: the decoder names
+none of them); what each round proposes and how wide it verifies is the
 ``schedule.Planner``'s to decide.
 
 A sequence under a constraint (``insert(..., constraints=...)``: a compiled
@@ -23,8 +25,8 @@ emitted, its anchor included. The decoder builds the masks each kernel
 reads from the matchers (its first token's, the verify's along each row's
 proposal, the draft's first slot: a batch with a constrained row drafts
 after its matchers have followed the last round, never ahead), advances each matcher by the tokens its row
-committed, and after each step reads the tokens the grammar forces next,
-which the planner may propose (``schedule``). A sequence ends with "stop"
+committed; the tokens the grammar forces next are a point source's offer
+(``sources.ForcedTokens``). A sequence ends with "stop"
 at the grammar's end-of-sequence token (added to its stop tokens) and with
 "dead_end" where its grammar admits no token at all: its output is cut
 before any token the grammar refuses, so none is ever reported.
@@ -39,13 +41,13 @@ import numpy as np
 
 from .buffers import capacity_for, check_writes, free_row, grow_cache, init_cache, row_cache, take_rows
 from .cache import Cache, is_recurrent
-from .constraints import Grammar, Matcher, draft_masks, next_masks, verify_masks
-from .copying import Copy, CopyIndex
+from .constraints import Grammar, Matcher, next_masks, verify_masks
 from .costs import measured_costs
 from .prefilling import as_rows, insert, prefill
-from .rounds import no_proposal, propose, undrafted, verify
+from .rounds import no_proposal, undrafted, verify
 from .sampling import GREEDY, Sampling, batch_sampling
-from .schedule import CostCurve, Plan, Planner, Sources
+from .schedule import NOTHING, CostCurve, Offers, Plan, Planner
+from .sources import PointSource, Proposers, default_sources
 from .stats import Tally
 from .types import (Copies, Ended, Event, Params, Proposal, Round, Step, TokenLogProbs, TokenScore, prompt_ids,
                     prompt_key)
@@ -64,9 +66,8 @@ class Row:
     budget: int | None = None  # tokens it may still emit (None: until released)
     stop_tokens: frozenset = frozenset()  # a token that ends it (kept)
     scoring: int | None = None  # most likely alternatives to list with each token's log-probability, or None
-    index: CopyIndex | None = None  # its committed n-grams, when rows propose copies
+    followers: list = dataclasses.field(default_factory=list)  # each point source's state for it (``Proposers``)
     matcher: Matcher | None = None  # its constraint's state after every token it emitted, when it has one
-    forced: list = dataclasses.field(default_factory=list)  # the tokens its grammar forces next
     keep_cache: bool = False  # give its cache back when it ends
     fresh: bool = True  # it joined after the pending draft was made, so that draft does not cover it
     finish: str | None = None  # "stop", "length", "dead_end" or "cancelled" once it ended
@@ -76,7 +77,8 @@ class Row:
     def cut(self, tokens: list) -> list:
         """Its share of ``tokens``: up to its first stop token (kept) and its
         budget, and before any token its grammar refuses (then it ends with
-        "dead_end"; its matcher follows the rest); counts them against the
+        "dead_end"; its matcher follows the rest; a grammar that admits no
+        token after them ends it "dead_end" too); counts them against the
         budget, notes why it ended and keeps them."""
         kept = tokens if self.budget is None else tokens[: self.budget]
         stop = next((i for i, token in enumerate(kept) if token in self.stop_tokens), None)
@@ -84,7 +86,7 @@ class Row:
             kept, self.finish = kept[: stop + 1], "stop"
         if self.matcher is not None:
             allowed = self.matcher.commit(kept)
-            if allowed < len(kept):
+            if allowed < len(kept) or (self.finish is None and self.matcher.stuck()):
                 kept, self.finish = kept[:allowed], "dead_end"
         if self.budget is not None:
             self.budget -= len(kept)
@@ -134,12 +136,85 @@ def token_scores(scored: TokenLogProbs, rows: list, counts: list, tops: list) ->
     ]
 
 
-def _copy_tokens(proposals: list, slots: int) -> np.ndarray:
+def point_tokens(proposals: list, slots: int) -> np.ndarray:
     """``[B, slots]``: each row's point-mass proposal (a list of tokens), zero-padded."""
     tokens = np.zeros((len(proposals), slots), np.int32)
     for row, proposal in enumerate(proposals):
         tokens[row, : min(slots, len(proposal))] = proposal[:slots]
     return tokens
+
+
+def matchers_for(constraints, count: int, vocab_size: int) -> list:
+    """A fresh matcher (or None) for each of ``count`` new sequences."""
+    grammars = [constraints] * count if constraints is None or isinstance(constraints, Grammar) else list(constraints)
+    if len(grammars) != count or not all(g is None or isinstance(g, Grammar) for g in grammars):
+        raise ValueError(f"constraints for {count} sequences: one compiled Grammar (constraints.compile_constraint) "
+                         f"or None, or one of either per sequence")
+    for grammar in grammars:
+        if grammar is not None and grammar.vocabulary.size != vocab_size:
+            raise ValueError(f"a grammar compiled for a vocabulary of {grammar.vocabulary.size} tokens constrains "
+                             f"a model of {vocab_size}: compile it with Vocabulary(tokenizer, {vocab_size})")
+    return [None if grammar is None else grammar.matcher() for grammar in grammars]
+
+
+def first_masks(matchers: list, vocab_size: int) -> np.ndarray | None:
+    """Bits of the first tokens new sequences may take (None when none of them has a constraint)."""
+    return next_masks(matchers, vocab_size) if any(matchers) else None
+
+
+def checked_tags(tags: list, count: int, running: set) -> list:
+    """``count`` distinct tags that no running sequence has."""
+    if len(tags) != count or len(set(tags)) != count or running & set(tags):
+        raise ValueError(f"{count} sequences need {count} distinct tags that no running sequence has, got {tags}")
+    return tags
+
+
+def round_start(cache: Cache, rows: list, committed: np.ndarray) -> Before | None:
+    """The committed counts and recurrent states before this round, when
+    the target keeps recurrent states and a sequence gives its cache
+    back (references, no copies)."""
+    if not cache.recurrent or not any(row.keep_cache for row in rows if row is not None):
+        return None
+    return Before(committed, [entry if is_recurrent(entry) else None for entry in cache.target])
+
+
+def kept_cache(cache: Cache, row: int, entry: Row, before: Before | None) -> Cache:
+    """The row's cache cut to the sequence's tokens. Attention slots serve
+    any shorter prefix, but a recurrent state holds only after every
+    committed token: a round that committed past the sequence's end
+    (drafts accepted beyond its stop token or budget) gives back the
+    states from before that round, at the length they were taken."""
+    context = len(entry.prompt) + len(entry.tokens)
+    if before is not None and entry.committed > context:
+        return row_cache(cache, row, int(before.committed[row]), before.states)
+    return row_cache(cache, row, min(entry.committed, context))
+
+
+def with_room(params: Params, cache: Cache, committed: np.ndarray, live: np.ndarray, width: int,
+              growing: bool) -> Cache:
+    """``cache`` with ``width`` free slots for every live row (grown; a
+    fixed one refuses), every row's write checked on the host."""
+    slots = int(committed[live].max()) + width
+    if slots > cache.capacity:
+        if not growing:
+            raise ValueError(f"{slots} positions exceed the fixed cache capacity {cache.capacity}")
+        cache = grow_cache(params, cache, capacity_for(slots))
+    check_writes(committed, width, cache.capacity, f"a verify of width {width}")
+    return cache
+
+
+def check_lengths(cache: Cache, counted: np.ndarray) -> None:
+    """The host plans every write from the rows' committed counts: each
+    must be the cache's own length (a row longer on the device than
+    counted would be written past the slots made for it)."""
+    lengths = np.array(cache.length)
+    wrong = np.flatnonzero(lengths != counted)
+    if wrong.size:
+        row = int(wrong[0])
+        raise ValueError(
+            f"cache row {row} holds length {lengths[row]} but the decoder counts {counted[row]} "
+            f"committed positions (capacity {cache.capacity})"
+        )
 
 
 class Decoder:
@@ -149,26 +224,30 @@ class Decoder:
     budget (or ``release``), and leaves as an ``Ended`` record. The cache
     grows in ``capacity_for`` buckets unless fixed.
 
-    ``width`` (the width setting: "auto", an int or None), ``proposals``
-    ("auto", "draft" or "copy") and ``confidence_threshold`` are the
-    ``planner``'s settings (``schedule.Planner``); under "auto" it plans
-    from ``costs``, by default the cost curve measured on this machine for
-    each batch size (``costs.measured_costs``, timed with
-    ``cost_sampling``)."""
+    ``sources``: the point sources proposing beside the draft
+    (``sources.PointSource``; default ``sources.default_sources()``: forced
+    tokens and copies). ``width`` (the width setting: "auto", an int or
+    None), ``proposals`` ("auto", "draft" or "copy": the point sources
+    alone) and ``confidence_threshold`` are the ``planner``'s settings
+    (``schedule.Planner``); under "auto" it plans from ``costs``, by default
+    the cost curve measured on this machine for each batch size
+    (``costs.measured_costs``, timed with ``cost_sampling``)."""
 
     def __init__(self, params: Params, batch: int, *, width="auto", capacity: int | None = None,
                  confidence_threshold: float = 0.0, costs: CostCurve | None = None, seed: int = 0,
-                 cost_sampling=GREEDY, proposals: str = "auto"):
+                 cost_sampling=GREEDY, proposals: str = "auto", sources: Sequence[PointSource] | None = None):
         self.params = params
+        points = default_sources() if sources is None else tuple(sources)
         measure = costs if costs is not None else (
             lambda size, widths: measured_costs(params, size, widths, cost_sampling))
         self.planner = Planner(params.spec.block_size, width=width, proposals=proposals,
-                               threshold=confidence_threshold, costs=measure, batch=batch)
+                               threshold=confidence_threshold, costs=measure, batch=batch,
+                               points=[(source.name, source.kinds) for source in points])
+        self.proposers = Proposers(params, self.planner, points)
         self.growing = capacity is None
         self.cache = init_cache(params, batch, capacity or capacity_for(1), seed)
         self.rows: list[Row | None] = [None] * batch  # None: a free row
         self.tokens = mx.zeros((batch,), mx.int32)  # each row's anchor
-        self.pending: Proposal | None = None  # the coming round's draft, made with the last verify (``Planner.ahead``)
         self._sampling = batch_sampling(GREEDY, batch)
         self._tags = itertools.count()  # tags handed out when the caller gives none
 
@@ -208,18 +287,17 @@ class Decoder:
         draft is made with the prefill."""
         if self.live.any():
             raise ValueError("start fills an empty decoder; insert adds sequences to a running one")
-        tags = self._new_tags(tags, len(prompts))
-        matchers = self._matchers(constraints, len(prompts))
+        matchers = matchers_for(constraints, len(prompts), self.params.spec.target.vocab_size)
         settings = [sampling] * self.batch if isinstance(sampling, Sampling) else list(sampling)
         self.cache, self.tokens = prefill(self.params, self.cache, prompts, sampling=settings, grow=self.growing,
-                                          masks=self._first_masks(matchers))
+                                          masks=first_masks(matchers, self.params.spec.target.vocab_size))
         self._sampling = batch_sampling(settings, self.batch)
-        self.pending = None if any(matchers) else self._draft_ahead(np.ones(self.batch, bool))
-        mx.eval(self.tokens, self.pending)
-        first = self.tokens.tolist()
-        self._enter(range(self.batch), tags, prompts, settings, first, fresh=False, max_new_tokens=max_new_tokens,
-                    stop_tokens=stop_tokens, top_log_probs=None, keep_cache=False, matchers=matchers)
-        return self._prefilled(range(self.batch), first, None)
+        rows = range(self.batch)
+        step = self._enter(rows, tags, prompts, settings, self.tokens.tolist(), None, fresh=False, matchers=matchers,
+                           max_new_tokens=max_new_tokens, stop_tokens=stop_tokens, top_log_probs=None,
+                           keep_cache=False)
+        mx.eval(self.proposers.launch_ahead(self.rows, self.cache, self.tokens, self._sampling, self.live))
+        return step
 
     def insert(self, prompts: list, *, tags: Sequence[Hashable] | None = None, sampling=GREEDY,
                seeds: Sequence[int] = (), prefix: Cache | None = None, top_log_probs: int | None = None,
@@ -242,211 +320,106 @@ class Decoder:
         if len(rows) < len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(rows)} free row(s) in the batch of {self.batch}: "
                              f"resize the batch first")
-        tags = self._new_tags(tags, len(prompts))
-        matchers = self._matchers(constraints, len(prompts))
+        vocab_size = self.params.spec.target.vocab_size
+        matchers = matchers_for(constraints, len(prompts), vocab_size)
         settings = [sampling] * len(rows) if isinstance(sampling, Sampling) else list(sampling)
         self.cache, tokens, *scored = insert(
             self.params, self.cache, rows, prompts, sampling=settings, seeds=seeds, prefix=prefix, grow=self.growing,
-            top_log_probs=None if top_log_probs is None else TOP_LOG_PROBS, masks=self._first_masks(matchers),
+            top_log_probs=None if top_log_probs is None else TOP_LOG_PROBS, masks=first_masks(matchers, vocab_size),
         )
         self.tokens[mx.array(rows)] = tokens
         first = tokens.tolist()
-        self._enter(rows, tags, prompts, settings, first, fresh=True, max_new_tokens=max_new_tokens,
-                    stop_tokens=stop_tokens, top_log_probs=top_log_probs, keep_cache=keep_cache, matchers=matchers)
         scores = None
         if top_log_probs is not None:
             one = TokenLogProbs(*(a[:, None] for a in scored[0]))  # one position a row
             scores = token_scores(one, list(range(len(rows))), [1] * len(rows), [top_log_probs] * len(rows))
-        return self._prefilled(rows, first, scores)
+        return self._enter(rows, tags, prompts, settings, first, scores, fresh=True, matchers=matchers,
+                           max_new_tokens=max_new_tokens, stop_tokens=stop_tokens, top_log_probs=top_log_probs,
+                           keep_cache=keep_cache)
 
-    def _matchers(self, constraints, count: int) -> list:
-        """A fresh matcher (or None) for each of ``count`` new sequences."""
-        grammars = [constraints] * count if constraints is None or isinstance(constraints, Grammar) else list(constraints)
-        if len(grammars) != count or not all(g is None or isinstance(g, Grammar) for g in grammars):
-            raise ValueError(f"constraints for {count} sequences: one compiled Grammar (constraints.compile_constraint) "
-                             f"or None, or one of either per sequence")
-        size = self.params.spec.target.vocab_size
-        for grammar in grammars:
-            if grammar is not None and grammar.vocabulary.size != size:
-                raise ValueError(f"a grammar compiled for a vocabulary of {grammar.vocabulary.size} tokens constrains "
-                                 f"a model of {size}: compile it with Vocabulary(tokenizer, {size})")
-        return [None if grammar is None else grammar.matcher() for grammar in grammars]
-
-    def _first_masks(self, matchers: list) -> np.ndarray | None:
-        """Bits of the first tokens new sequences may take (None when none of them has a constraint)."""
-        return next_masks(matchers, self.params.spec.target.vocab_size) if any(matchers) else None
-
-    def _new_tags(self, tags, count: int) -> list:
-        tags = [next(self._tags) for _ in range(count)] if tags is None else list(tags)
+    def _enter(self, rows: Sequence[int], tags, prompts: list, settings: list, first: list, scores: list | None, *,
+               fresh: bool, matchers: list, max_new_tokens: int | None, stop_tokens, top_log_probs: int | None,
+               keep_cache: bool) -> Step:
+        """The sequences just prefilled into ``rows`` take their rows; the step of their first tokens."""
         running = {row.tag for row in self.rows if row is not None}
-        if len(tags) != count or len(set(tags)) != count or running & set(tags):
-            raise ValueError(f"{count} sequences need {count} distinct tags that no running sequence has, got {tags}")
-        return tags
-
-    def _enter(self, rows: Sequence[int], tags: list, prompts: list, settings: list, first: list, *, fresh: bool,
-               max_new_tokens: int | None, stop_tokens, top_log_probs: int | None, keep_cache: bool,
-               matchers: list) -> None:
+        tags = checked_tags([next(self._tags) for _ in rows] if tags is None else list(tags), len(rows), running)
         for row, tag, prompt, setting, token, matcher in zip(rows, tags, prompts, settings, first, matchers):
             ends = frozenset() if matcher is None else frozenset(matcher.grammar.vocabulary.eos)
             self.rows[row] = Row(tag=tag, prompt=prompt_key(prompt), sampling=setting, committed=len(prompt),
                                  budget=max_new_tokens, stop_tokens=frozenset(stop_tokens) | ends,
                                  scoring=top_log_probs, keep_cache=keep_cache, fresh=fresh, matcher=matcher,
-                                 index=CopyIndex(prompt_ids(prompt) + [token]) if self.planner.copies else None)
+                                 followers=self.proposers.follow(prompt_ids(prompt) + [token], matcher))
         self._sampling = batch_sampling([row.sampling if row else GREEDY for row in self.rows], self.batch)
-
-    def _prefilled(self, rows: Sequence[int], first: list, scores: list | None) -> Step:
-        """The step of sequences that were just prefilled: each one's first token."""
         entered = [self.rows[row] for row in rows]
         emitted = [entry.cut([token]) for entry, token in zip(entered, first)]
-        self._look_ahead(entered)
-        return Step(kind="prefill", tags=[entry.tag for entry in entered], emitted=emitted,
-                    accepted=[0] * len(entered), drafted=[[] for _ in entered], width=0, sources=[""] * len(entered),
-                    finished=[entry.finish for entry in entered], log_probs=scores, ended=self._end_finished(rows))
+        return Step(kind="prefill", tags=tags, emitted=emitted, accepted=[0] * len(entered),
+                    drafted=[[] for _ in entered], width=0, sources=[""] * len(entered),
+                    finished=[entry.finish for entry in entered], log_probs=scores,
+                    ended=[self._end(row) for row in rows if self.rows[row].finish is not None])
 
     # ---- one round
 
     def step(self) -> Step:
-        """One round over the live sequences, top to bottom: choose sources,
-        draft if asked, plan, make room, verify, one evaluation, learn, cut,
-        and end the sequences that finished (``Step.ended``; their rows take
-        the next ``insert``).
+        """One round over the live sequences, top to bottom: choose the
+        proposals (drafting if asked), plan, make room, verify, one
+        evaluation, learn, cut, and end the sequences that finished
+        (``Step.ended``; their rows take the next ``insert``).
 
         Host synchronisations: one, the evaluation, when the draft is the
         only source and no sequence is under a constraint (the round's draft
         was made and evaluated with the previous verify) and in a round
-        without a draft pass; two in a round that drafts beside copies or
-        forced tokens, or for rows under a constraint, which reads its fresh
+        without a draft pass; two in a round that drafts beside point
+        sources, or for rows under a constraint, which reads its fresh
         draft's confidences (and its tokens, for the masks of rows under a
         constraint) to plan the width before it launches the verify."""
         live = self.live
         if not live.any():
             raise ValueError("no sequence is generating: insert a prompt first")
-        copies = self._copies()
-        matches = np.array([copy.match for copy in copies])
-        forced = np.array([len(row.forced) if row is not None else 0 for row in self.rows])
-        sources, proposal = self._sources(matches, forced, live)
+        offers, choice, proposal = self.proposers.choose(self.rows, self.cache, self.tokens, self._sampling, live)
         confidences = None if proposal is None else _sigmoid(proposal.confidence_logits)
-        plan = self.planner.plan(confidences, matches, sources, live, self._fresh(live), forced)
-        before = self._before()
-        result = self._verify(plan, proposal, copies, live)
-        self.pending = self._draft_ahead(live)
-        mx.eval(result, self.pending, self.cache.length)
+        plan = self.planner.plan(confidences, offers, choice, live, self.proposers.uncovered(self.rows, live))
+        before = round_start(self.cache, self.rows, self.committed)
+        result = self._verify(plan, proposal, offers, live)
+        pending = self.proposers.launch_ahead(self.rows, self.cache, self.tokens, self._sampling, live)
+        mx.eval(result, pending, self.cache.length)
         counts, accepted = result.count.tolist(), result.accepted.tolist()
         committed = [tokens[:count] for tokens, count in zip(result.emitted.tolist(), counts)]
-        self._commit(committed)
-        self.planner.learn(plan, np.array(accepted), copies, committed)
+        for row, tokens in zip(self.rows, committed):
+            if row is not None:
+                row.committed, row.fresh = row.committed + len(tokens), False
+                self.proposers.commit(row.followers, tokens)
+        check_lengths(self.cache, self.committed)
+        self.planner.learn(plan, np.array(accepted), offers, committed)
         return self._cut(plan, result, committed, accepted, before)
 
-    def _copies(self) -> list:
-        """Each row's copy of its own context (an empty ``Copy`` without one)."""
-        slots = self.planner.max_width - 1
-        return [row.index.lookup(slots) if row is not None and row.index is not None else Copy([], 0)
-                for row in self.rows]
-
-    def _sources(self, matches: np.ndarray, forced: np.ndarray, live: np.ndarray) -> tuple[Sources, Proposal | None]:
-        """The round's sources and draft: chosen in the round before when the
-        draft is the only source (the pending draft), else now (a draft made
-        now gives each constrained row's first slot its grammar's mask)."""
-        if self._ahead():
-            none = np.zeros(self.batch, bool)
-            return Sources(self.pending is not None, none, none), self.pending
-        sources = self.planner.sources(matches, live, forced)
-        return sources, self._draft(self._matchers_now()) if sources.draft else None
-
-    def _draft(self, matchers: list | None = None) -> Proposal:
-        """The draft pass, its first slot under each row's grammar when ``matchers`` are given."""
-        masks = draft_masks(matchers, self.params.spec.block_size, self.params.spec.target.vocab_size) \
-            if matchers is not None and any(matchers) else None
-        return propose(self.params, self.cache, self.tokens, self._sampling, masks)
-
-    def _matchers_now(self) -> list:
-        """Each row's matcher (None for free rows and rows without a constraint)."""
-        return [row.matcher if row is not None else None for row in self.rows]
-
-    def _ahead(self) -> bool:
-        """Whether a round's draft is made with the verify before it: when
-        the draft is the only source (``Planner.ahead``) and no sequence is
-        under a constraint. A constrained row's draft waits for the round's
-        commits, so that its first slot takes the grammar's mask (a draft
-        made ahead would propose, unmasked, tokens its grammar refuses)."""
-        return self.planner.ahead and not any(row is not None and row.matcher is not None for row in self.rows)
-
-    def _draft_ahead(self, live: np.ndarray) -> Proposal | None:
-        """The coming round's draft, launched now to be evaluated with this
-        step, when drafts are made ahead (``_ahead``) and the planner drafts."""
-        if not self._ahead() or not self.planner.sources(np.zeros(self.batch, int), live).draft:
-            return None
-        return self._draft()
-
-    def _fresh(self, live: np.ndarray) -> np.ndarray:
-        """``[B]`` live rows the pending draft does not cover (they joined after it was made)."""
-        return live & np.array([row is not None and row.fresh for row in self.rows]) & self._ahead()
-
-    def _before(self) -> Before | None:
-        """The committed counts and recurrent states before this round, when
-        the target keeps recurrent states and a sequence gives its cache
-        back (references, no copies)."""
-        if not self.cache.recurrent or not any(row.keep_cache for row in self.rows if row is not None):
-            return None
-        return Before(self.committed, [entry if is_recurrent(entry) else None for entry in self.cache.target])
-
-    def _verify(self, plan: Plan, proposal: Proposal | None, copies: list, live: np.ndarray) -> Round:
-        """Launch the planned verify (the cache and the anchors move on; nothing is evaluated)."""
+    def _verify(self, plan: Plan, proposal: Proposal | None, offers: Offers, live: np.ndarray) -> Round:
+        """Launch the planned verify (the cache and the anchors move on;
+        nothing is evaluated), with the masks of rows under a constraint
+        along the proposal each verifies, up to its limit."""
         width = plan.width
-        self._make_room(width, live)
+        self.cache = with_room(self.params, self.cache, self.committed, live, width, self.growing)
         drafted = proposal is not None and width > 1
         if width == 1:
             proposal = no_proposal(self.batch)
         elif proposal is None:
             proposal = undrafted(self.params, self.batch, self._sampling.mode)
-        points = plan.copying | plan.forcing  # rows verifying a point mass: a copy, or their forced tokens
-        point_tokens = _copy_tokens([row.forced if plan.forcing[b] else copy.tokens
-                                     for b, (row, copy) in enumerate(zip(self.rows, copies))], width - 1)
-        copied = Copies(mx.array(point_tokens), mx.array(points)) if points.any() else None
+        pointing = plan.points != NOTHING
+        proposed = point_tokens(offers.chosen(plan.points), width - 1)
+        points = Copies(mx.array(proposed), mx.array(pointing)) if pointing.any() else None
+        matchers = [row.matcher if row is not None else None for row in self.rows]
+        masks = None
+        if any(matchers):
+            if drafted:  # the draft's tokens, already on the host once planned
+                proposed = np.where(pointing[:, None], proposed, np.array(proposal.tokens[:, : width - 1]))
+            masks = verify_masks(matchers, proposed, self.params.spec.target.vocab_size, limits=plan.limits)
         scoring = any(row.scoring is not None for row in self.rows if row is not None)
         self.cache, result = verify(
             self.params, self.cache, self.tokens, proposal, width, sampling=self._sampling,
-            limit=mx.array(plan.limits), active=mx.array(live), copies=copied,
-            top_log_probs=TOP_LOG_PROBS if scoring else None, check_room=False,
-            masks=self._verify_masks(plan, proposal if drafted else None, point_tokens),
+            limit=mx.array(plan.limits), active=mx.array(live), copies=points,
+            top_log_probs=TOP_LOG_PROBS if scoring else None, check_room=False, masks=masks,
         )
         self.tokens = result.next_tokens
         return result
-
-    def _verify_masks(self, plan: Plan, proposal: Proposal | None, point_tokens: np.ndarray) -> np.ndarray | None:
-        """The verify's bits for rows under a constraint, along the proposal
-        each verifies (its point mass, or the draft's tokens, already on the
-        host), up to its limit; None when no row has a constraint."""
-        matchers = self._matchers_now()
-        if not any(matchers):
-            return None
-        proposed = point_tokens
-        if proposal is not None:
-            drafts = np.array(proposal.tokens[:, : plan.width - 1])
-            proposed = np.where((plan.copying | plan.forcing)[:, None], point_tokens, drafts)
-        return verify_masks(matchers, proposed, self.params.spec.target.vocab_size, limits=plan.limits)
-
-    def _make_room(self, width: int, live: np.ndarray) -> None:
-        """Every live row gets ``width`` free slots (the cache grows; a fixed
-        one refuses), and every row's write is checked on the host."""
-        committed = self.committed
-        slots = int(committed[live].max()) + width
-        if slots > self.cache.capacity:
-            if not self.growing:
-                raise ValueError(f"{slots} positions exceed the fixed cache capacity {self.cache.capacity}")
-            self.cache = grow_cache(self.params, self.cache, capacity_for(slots))
-        check_writes(committed, width, self.cache.capacity, f"a verify of width {width}")
-
-    def _commit(self, committed: list) -> None:
-        """Count each row's committed tokens (checked against the cache's own
-        lengths, which came with the evaluation) and index them for copies."""
-        for row, tokens in zip(self.rows, committed):
-            if row is not None:
-                row.committed += len(tokens)
-                row.fresh = False
-                if row.index is not None:
-                    row.index.extend(tokens)
-        self._check_lengths()
 
     def _cut(self, plan: Plan, result: Round, committed: list, accepted: list, before: Before | None) -> Step:
         """The round's step: each sequence's committed tokens cut by its own
@@ -458,7 +431,6 @@ class Decoder:
         entries = [self.rows[row] for row in rows]
         emitted = [entry.advance(committed[row], accepted[row], verified, source)
                    for entry, row, verified, source in zip(entries, rows, proposed, sources)]
-        self._look_ahead(entries)
         scores = None
         if result.scores is not None:
             scores = token_scores(result.scores, rows, [len(committed[row]) for row in rows],
@@ -466,18 +438,7 @@ class Decoder:
         return Step(kind="round", tags=[entry.tag for entry in entries], emitted=emitted,
                     accepted=[accepted[row] for row in rows], drafted=proposed, width=plan.width, sources=sources,
                     finished=[entry.finish for entry in entries], log_probs=scores,
-                    ended=self._end_finished(rows, before))
-
-    def _look_ahead(self, entries: list) -> None:
-        """For each going sequence under a constraint, the tokens its grammar
-        forces next (proposed when the planner proposes them), which finds a
-        dead end (its grammar admits no token: it ends now, "dead_end")."""
-        slots = self.planner.max_width - 1 if self.planner.copies else 0
-        for entry in entries:
-            if entry.matcher is not None and entry.finish is None:
-                entry.forced = entry.matcher.forced(max(slots, 1))[:slots]
-                if entry.matcher.dead_end:
-                    entry.finish = "dead_end"
+                    ended=[self._end(row, before) for row in rows if self.rows[row].finish is not None])
 
     # ---- sequences out, and the batch between rounds
 
@@ -489,27 +450,14 @@ class Decoder:
         self.rows[row].finish = "cancelled"
         return self._end(row)
 
-    def _end_finished(self, rows: Sequence[int], before: Before | None = None) -> list:
-        return [self._end(row, before) for row in rows if self.rows[row].finish is not None]
-
     def _end(self, row: int, before: Before | None = None) -> Ended:
-        """The record of the sequence in ``row``, which is then free."""
+        """The record of the sequence in ``row``, which is then free (its point sources finish it)."""
         entry = self.rows[row]
-        cache = self._kept_cache(row, entry, before) if entry.keep_cache else None
+        cache = kept_cache(self.cache, row, entry, before) if entry.keep_cache else None
+        self.proposers.finish(entry.followers, entry.tokens)
         self.rows[row] = None
         self.cache = free_row(self.cache, row)
         return Ended(entry.tag, entry.prompt, entry.tokens, entry.finish, entry.tally, cache)
-
-    def _kept_cache(self, row: int, entry: Row, before: Before | None) -> Cache:
-        """The row's cache cut to the sequence's tokens. Attention slots serve
-        any shorter prefix, but a recurrent state holds only after every
-        committed token: a round that committed past the sequence's end
-        (drafts accepted beyond its stop token or budget) gives back the
-        states from before that round, at the length they were taken."""
-        context = len(entry.prompt) + len(entry.tokens)
-        if before is not None and entry.committed > context:
-            return row_cache(self.cache, row, int(before.committed[row]), before.states)
-        return row_cache(self.cache, row, min(entry.committed, context))
 
     def resize(self, batch: int) -> None:
         """Move the live sequences into a batch of ``batch`` rows (with their
@@ -522,24 +470,11 @@ class Decoder:
             raise ValueError(f"{len(live)} active rows do not fit in a batch of {batch}")
         self.planner.resize(batch)
         self.cache, self.tokens = take_rows((self.cache, self.tokens), live, batch)
-        if self.pending is not None:
-            self.pending = take_rows(self.pending, live, batch)
+        if self.proposers.pending is not None:
+            self.proposers.pending = take_rows(self.proposers.pending, live, batch)
         self.rows = [self.rows[row] for row in live] + [None] * (batch - len(live))
         self._sampling = batch_sampling([row.sampling if row else GREEDY for row in self.rows], batch)
-        self._check_lengths()
-
-    def _check_lengths(self) -> None:
-        """The host plans every write from the rows' committed counts: each
-        must be the cache's own length (a row longer on the device than
-        counted would be written past the slots made for it)."""
-        lengths, counted = np.array(self.cache.length), self.committed
-        wrong = np.flatnonzero(lengths != counted)
-        if wrong.size:
-            row = int(wrong[0])
-            raise ValueError(
-                f"cache row {row} holds length {lengths[row]} but the decoder counts {counted[row]} "
-                f"committed positions (capacity {self.cache.capacity})"
-            )
+        check_lengths(self.cache, self.committed)
 
 
 def generate(
@@ -557,6 +492,7 @@ def generate(
     proposals: str = "auto",
     constraint=None,
     prefix: Cache | None = None,
+    sources: Sequence[PointSource] | None = None,
 ) -> Iterator[Event]:
     """DSpark generation for one prompt or a batch of prompts (a list of
     token lists; a prompt with images is an ``ImagePrompt``, from
@@ -590,7 +526,7 @@ def generate(
         raise ValueError("max_new_tokens must be at least 1")
     decoder = Decoder(
         params, len(rows), width=width, capacity=capacity, confidence_threshold=confidence_threshold, costs=costs,
-        seed=seed, cost_sampling=sampling, proposals=proposals,
+        seed=seed, cost_sampling=sampling, proposals=proposals, sources=sources,
     )
     if capacity is not None:
         _initial_capacity(rows, max_new_tokens, decoder.planner.max_width, capacity)

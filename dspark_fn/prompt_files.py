@@ -150,7 +150,7 @@ def load_prompt_cache(path, params: Params, *, capacity: int | None = None) -> t
         raise ValueError(f"{path} cannot be read: a truncated or corrupt prompt-cache file ({error}); save it "
                          f"again") from None
     check_header(path, fields, tensors)
-    check_pair(path, fields, params)
+    check_pair(path, fields, pair_fields(params))
     length, stored = int(fields["length"]), int(fields["capacity"])
     template = init_cache(params, 1, stored)
     shapes = {"target": template.target, "draft": template.draft}
@@ -167,14 +167,45 @@ def load_prompt_cache(path, params: Params, *, capacity: int | None = None) -> t
     return grow_cache(params, cache, wanted), json.loads(fields["tokens"]), mx.array([int(fields["anchor"])], mx.int32)
 
 
-def check_header(path: Path, fields: dict, tensors: dict) -> None:
-    """The file is a prompt cache of this format version, and its contents are those it was saved with."""
+def read_fields(path) -> dict:
+    """A prompt-cache file's metadata (its tokens, length, fingerprints) read
+    from its header alone, none of its buffers: what an index of many files
+    needs. Refuses (``ValueError``) a header that does not parse, a file of
+    another length than the one its header describes (cut short by a crash,
+    say), another format or another format version. The checksum over the
+    buffers is ``load_prompt_cache``'s to compare."""
+    path = Path(path)
+    whole = path.stat().st_size
+    with path.open("rb") as handle:
+        size = int.from_bytes(handle.read(8), "little")  # safetensors: the header's length, then the header
+        text = handle.read(size) if size <= whole else b""  # a length past the file's end: not a header
+    try:
+        header = json.loads(text)
+        fields = header.pop("__metadata__", {})
+        end = 8 + size + max((int(entry["data_offsets"][1]) for entry in header.values()), default=0)
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError) as error:
+        raise ValueError(f"{path} cannot be read: a truncated or corrupt prompt-cache file (its header: {error}); "
+                         f"save it again") from None
+    if whole != end:
+        raise ValueError(f"{path} cannot be read: a truncated or corrupt prompt-cache file ({whole} bytes where "
+                         f"its header describes {end}); save it again")
+    check_format(path, fields)
+    return fields
+
+
+def check_format(path: Path, fields: dict) -> None:
+    """The file is a prompt cache of this format version."""
     if fields.get("format") != FORMAT:
         raise ValueError(f"{path} is not a dspark_fn prompt-cache file (no prompt-cache metadata): give a file "
                          f"saved by save_prompt_cache or `dspark generate --save-prompt-cache`")
     if fields.get("version") != str(VERSION):
         raise ValueError(f"{path} is a prompt-cache file of format version {fields.get('version')}, and this "
                          f"dspark_fn reads version {VERSION}: save it again with this version")
+
+
+def check_header(path: Path, fields: dict, tensors: dict) -> None:
+    """The file is a prompt cache of this format version, and its contents are those it was saved with."""
+    check_format(path, fields)
     if fields.get("checksum") != checksum(fields, tensors):
         raise ValueError(f"{path} is corrupt: its contents do not match the checksum saved with them (changed or "
                          f"damaged since it was written); save it again")
@@ -183,9 +214,10 @@ def check_header(path: Path, fields: dict, tensors: dict) -> None:
                          f"{len(json.loads(fields['tokens']))} tokens: a file holds one row, one position a token")
 
 
-def check_pair(path: Path, fields: dict, params: Params) -> None:
-    """The file was made with this target and draft, computing in this dtype."""
-    here = pair_fields(params)
+def check_pair(path: Path, fields: dict, here: dict) -> None:
+    """The file was made with the target and draft whose ``pair_fields`` are
+    ``here``, computing in their dtype (the fields computed once serve as
+    many files as there are)."""
     if fields["dtype"] != here["dtype"]:
         raise ValueError(f"{path} holds a {fields['dtype']} cache and this target computes in {here['dtype']}: load "
                          f"the model in {fields['dtype']} (--dtype {fields['dtype']}), as when the file was saved, or "

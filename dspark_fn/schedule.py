@@ -54,45 +54,35 @@ rounds, so a stretch of easy text is found at a bounded cost. The decision
 reads only finished rounds, never the tokens of the round it decides, so
 it changes the speed, not the output.
 
-Two proposal sources (``proposals="auto"``): a row may verify a copy of an
-earlier stretch of its own context (``copying``) instead of the draft. A
-copy costs no draft pass. ``SlotRates`` measures ``α_k`` per source: the
-draft's as above, and copies' per length of the ending they matched, each
-copy scored against the tokens its row committed whether it was verified
-or not. Before a round the planner rates it without the draft pass (rows
-with a copy verify it) and with it (each row takes the better of its copy
-and the draft), each at its best slot level, and drafts only when that is
-faster (or a probe is due); with the draft alone the same comparison has
-no copies in it. Copies need the previous round's tokens, so with copies
-the sources are chosen at the start of the round, and a round that drafts
-reads its draft's confidences before planning (a second host sync). A copy is a function of the committed tokens
-and its rates are measured on finished rounds: choosing it never looks at
-the round's own draws, and its slots enter Algorithm 1 with survival
-``Π_{i<=k} α_i``, which depends on no token of the round. (A fixed width
-drafts every round, so it proposes copies only with ``proposals="copy"``.)
-
-A third source, for rows under a constraint: where the grammar admits one
-continuation only (keys, punctuation, the markers of a tool call), the
-driver reads those forced tokens from the row's matcher before the round
-(``forced [B]``: how many). They are point masses like copies, and the
-verify's masks make the constrained target certain of them, so they are
-accepted with probability 1 (``SlotRates`` measures them as the kind
-``FORCED``, which stays at 1 unless a mask is wrong). A forcing row's slots
-enter the plan with survival 1 up to its forced count and 0 after;
-``sources`` compares them with the row's copy and the draft as it compares
-copies, so a round in which every row that proposes is forced (or copies)
-runs no draft pass. Forced tokens are proposed wherever copies are (the
-sources are chosen at the start of the round, once the matchers have
-followed the previous round's tokens); like a copy, they are a function of
-the committed tokens alone.
+Point sources (``proposals="auto"``; ``sources``): a row may verify a
+point-mass proposal instead of the draft: a copy of an earlier stretch of
+its own context, the tokens its grammar forces, a store's continuation, or
+any other ``sources.PointSource``. Each costs no draft pass. ``SlotRates``
+measures ``α_k`` per kind: the draft's as above, and each point source's
+per kind of offer (a copy's or stored continuation's matched ending
+length; forced tokens, one kind), each offer scored against the tokens its
+row committed whether it was verified or not (``observe_points``). Before a
+round the planner rates it without the draft pass (each row with an offer
+verifies its best one) and with it (each row takes the better of its best
+offer and the draft), each at its best slot level, and drafts only when
+that is faster (or a probe is due); with the draft alone the same
+comparison has no offers in it. Offers are made from the previous round's
+tokens, so with point sources the sources are chosen at the start of the
+round, and a round that drafts reads its draft's confidences before
+planning (a second host sync). An offer is a function of the committed
+tokens and its rates are measured on finished rounds: choosing it never
+looks at the round's own draws, and its slots enter Algorithm 1 with
+survival ``Π_{i<=k} α_i`` up to its length (0 past it), which depends on no
+token of the round. Forced tokens are accepted with probability 1 (the
+verify's masks make the constrained target certain of them), so their kind
+stays at 1 unless a mask is wrong. (A fixed width drafts every round, so it
+proposes point masses only with ``proposals="copy"``.)
 """
 
 from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
-
-from .copying import LONGEST_MATCH
 
 WIDTH_LADDER = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 
@@ -155,27 +145,27 @@ def scheduled_length(survival: np.ndarray, costs: CostCurve, buckets: tuple) -> 
 
 ACCEPTANCE_EMA = 0.2
 PROBE_LIMIT = 16
-DRAFTED = 0  # the draft's row of ``SlotRates``; row n >= 1 holds copies that matched an ending of n tokens
-FORCED = LONGEST_MATCH + 1  # the row of tokens a grammar forces
+DRAFTED = 0  # the draft's row of ``SlotRates``; the point sources' kinds follow (``Planner.rate_row``)
+NOTHING = -1  # a row that verifies no point source's proposal (``Choice.points``, ``Plan.points``)
 
 
 @dataclass
 class SlotRates:
     """Measured acceptance of each proposal slot, by kind of proposal: the
-    draft (row ``DRAFTED``), copies by the length of the ending they
-    matched (row n; a longer match continues more often) and forced tokens
-    (row ``FORCED``, after the longest match). ``alpha_k`` is
-    the rate at which slot k was accepted when slots < k were: an average
-    over the first observations, then an exponential moving average with
-    weight ``ACCEPTANCE_EMA``."""
+    draft (row ``DRAFTED``), then each point source's kinds (a copy's or a
+    stored continuation's matched ending length: a longer match continues
+    more often; a grammar's forced tokens, one kind). ``alpha_k`` is the
+    rate at which slot k was accepted when slots < k were: an average over
+    the first observations, then an exponential moving average with weight
+    ``ACCEPTANCE_EMA``."""
 
-    acceptance: np.ndarray  # [2 + longest match, G] alpha_k
-    observed: np.ndarray  # [2 + longest match, G] observations of slot k
+    acceptance: np.ndarray  # [1 + point kinds, G] alpha_k
+    observed: np.ndarray  # [1 + point kinds, G] observations of slot k
 
     @classmethod
-    def start(cls, slots: int, longest_match: int = LONGEST_MATCH) -> "SlotRates":
+    def start(cls, slots: int, point_kinds: int = 0) -> "SlotRates":
         # Untried slots count as always accepted, so the first rounds propose and measure.
-        shape = (2 + longest_match, slots)
+        shape = (1 + point_kinds, slots)
         return cls(np.ones(shape), np.zeros(shape))
 
     def learn(self, kind: int, slot: int, outcomes: np.ndarray) -> None:
@@ -197,33 +187,26 @@ class SlotRates:
             verified = limits > slot
             self.learn(DRAFTED, slot, np.where(verified, accepted > slot, confidences[:, slot])[reached])
 
-    def observe_verified(self, kind: int, accepted: np.ndarray, limits: np.ndarray) -> None:
-        """Rows that verified proposals of ``kind``: row r verified
-        ``limits[r]`` and kept ``accepted[r]``; slot k counts where it was
-        verified and every earlier slot accepted."""
-        for slot in range(int(limits.max(initial=0))):
-            reached = (accepted >= slot) & (limits > slot)
-            self.learn(kind, slot, (accepted > slot)[reached])
-
-    def observe_copies(self, matches: list, copies: list, committed: list) -> None:
-        """Score each row's copy (``matches[r]`` tokens matched, 0: none)
-        against the tokens the row committed this round, whether the round
-        verified it or not. Slot k counts where the copy's first k tokens
-        were committed and a committed token stands at slot k; the outcome is
-        whether it is the copied one. Given that prefix the committed token
-        is distributed as the target's (the rounds are lossless), so this is
-        the acceptance of the copy as a point-mass proposal, and copies stay
-        measured through rounds that verified the draft."""
+    def observe_points(self, kinds: np.ndarray, proposals: list, committed: list) -> None:
+        """Every row's point-mass proposal (``proposals[b]``, rated under row
+        ``kinds[b]``, 0 for none) against the tokens the row committed
+        (``committed[b]``), whether the round verified it or not: slot k
+        counts where the proposal's first k tokens were committed and a
+        committed token stands at slot k; the outcome is whether it is the
+        proposed one. Given that prefix the committed token is distributed as
+        the target's (the rounds are lossless), so this is the acceptance of
+        the proposal as a point mass, and every source stays measured through
+        rounds that verified another."""
         outcomes: dict = {}
-        for match, copy, tokens in zip(matches, copies, committed):
-            if not match:
+        for kind, proposal, tokens in zip(kinds, proposals, committed):
+            if not kind:
                 continue
-            for slot, (copied, token) in enumerate(zip(copy, tokens)):
-                outcomes.setdefault((match, slot), []).append(copied == token)
-                if copied != token:
+            for slot, (proposed, token) in enumerate(zip(proposal, tokens)):
+                outcomes.setdefault((kind, slot), []).append(proposed == token)
+                if proposed != token:
                     break
-        for (match, slot), kept in outcomes.items():
-            self.learn(match, slot, np.array(kept))
+        for (kind, slot), kept in outcomes.items():
+            self.learn(kind, slot, np.array(kept))
 
     def gains(self, kinds: np.ndarray, slots: int, lengths: np.ndarray | None = None) -> np.ndarray:
         """``[R, slots + 1]``: expected accepted proposals of each row's kind
@@ -235,69 +218,91 @@ class SlotRates:
         return np.concatenate([np.zeros((len(survival), 1)), np.cumsum(survival, axis=1)], axis=1)
 
 
-class PointMasses(NamedTuple):
-    """Each row's best point-mass proposal (a copy or its forced tokens) at every slot level."""
+class Offer(NamedTuple):
+    """What a point source proposes for one row: tokens, and the kind its
+    acceptance is measured under (``1..kinds`` of its source; 0: no offer)."""
 
-    gains: np.ndarray  # [B, slots + 1] expected accepted proposals of the better of the two
-    forced_better: np.ndarray  # [B, slots + 1] where its forced tokens are the better (else its copy)
-    available: np.ndarray  # [B] rows that have a copy or forced tokens
+    tokens: list
+    kind: int
+
+
+class Offers(NamedTuple):
+    """A round's point-mass proposals: one from each point source (S) for each row (B)."""
+
+    rates: np.ndarray  # [S, B] the ``SlotRates`` row rating each (0: no offer)
+    tokens: list  # [S][B] the proposed tokens
 
     @classmethod
-    def rated(cls, rates: SlotRates, matches: np.ndarray, forced: np.ndarray, slots: int) -> "PointMasses":
-        copy = rates.gains(matches, slots) * (matches > 0)[:, None]
-        force = rates.gains(np.full(len(forced), FORCED), slots, forced)
-        return cls(np.maximum(copy, force), (force >= copy) & (forced > 0)[:, None], (matches > 0) | (forced > 0))
+    def none(cls, batch: int) -> "Offers":
+        return cls(np.zeros((0, batch), int), [])
 
-    def split(self, taking: np.ndarray, level: int) -> tuple[np.ndarray, np.ndarray]:
-        """``(copying, forcing)``: the ``taking`` rows by the better of their two at ``level``."""
-        forcing = taking & self.available & self.forced_better[:, level]
-        return taking & self.available & ~forcing, forcing
+    @property
+    def lengths(self) -> np.ndarray:
+        """``[S, B]`` how many tokens each offer holds."""
+        return np.array([[len(tokens) for tokens in source] for source in self.tokens], int).reshape(self.rates.shape)
+
+    def chosen(self, points: np.ndarray) -> list:
+        """Each row's tokens from the source ``points[b]`` (none where ``NOTHING``)."""
+        return [self.tokens[source][row] if source != NOTHING else [] for row, source in enumerate(points)]
+
+
+class PointMasses(NamedTuple):
+    """Each row's best point-mass proposal at every slot level, among the point sources' offers."""
+
+    gains: np.ndarray  # [B, slots + 1] expected accepted proposals of the best offer (0 without one)
+    best: np.ndarray  # [B, slots + 1] the source whose offer is the best at that level
+    available: np.ndarray  # [B] rows with at least one offer
+
+    @classmethod
+    def rated(cls, rates: SlotRates, offers: Offers, slots: int) -> "PointMasses":
+        batch = offers.rates.shape[1]
+        each = [np.where((kinds > 0)[:, None], rates.gains(kinds, slots, lengths), -1.0)
+                for kinds, lengths in zip(offers.rates, offers.lengths)] or [np.full((batch, slots + 1), -1.0)]
+        stacked = np.stack(each)  # [S, B, slots + 1]; -1 where a source offers nothing, so it is never the best
+        return cls(np.maximum(stacked.max(axis=0), 0.0), stacked.argmax(axis=0), (offers.rates > 0).any(axis=0))
+
+    def split(self, taking: np.ndarray, level: int) -> np.ndarray:
+        """``[B]``: the source each of the ``taking`` rows verifies, its best at ``level`` (``NOTHING`` elsewhere)."""
+        return np.where(taking & self.available, self.best[:, level], NOTHING)
 
 
 class SourceSpeeds(NamedTuple):
     """Tokens per second predicted for the coming round with and without the
-    draft pass, and the rows that would verify their copy or forced tokens,
-    with the draft pass and without it."""
+    draft pass, and the point source each row would verify, with the draft
+    pass and without it."""
 
     drafting: float
     without: float
-    copying: np.ndarray  # [B] with the draft pass
-    forcing: np.ndarray  # [B] with the draft pass
-    copying_without: np.ndarray  # [B] without it
-    forcing_without: np.ndarray  # [B] without it
+    points: np.ndarray  # [B] with the draft pass (``NOTHING``: the draft)
+    points_without: np.ndarray  # [B] without it (``NOTHING``: a plain target step)
 
 
-def source_speeds(rates: SlotRates, matches: np.ndarray, active: np.ndarray, costs: CostCurve,
-                  buckets: tuple, slots: int, forced: np.ndarray | None = None) -> SourceSpeeds:
-    """Without the draft pass every row that has a point-mass proposal (a
-    copy, or ``forced[r]`` tokens its grammar forces) may verify it; with it
-    each row takes the best of those and the draft. Both are rated at every
-    slot level ``l`` (one verify width for the batch) as
-    ``sum_r (1 + gain_r(l)) / cost(l)``, from the measured rates alone."""
-    forced = np.zeros(len(matches), int) if forced is None else forced
-    point = PointMasses.rated(rates, matches, forced, slots)
+def source_speeds(rates: SlotRates, offers: Offers, active: np.ndarray, costs: CostCurve, buckets: tuple,
+                  slots: int) -> SourceSpeeds:
+    """Without the draft pass every row that has a point-mass proposal may
+    verify its best one; with it each row takes the best of those and the
+    draft. Both are rated at every slot level ``l`` (one verify width for
+    the batch) as ``sum_r (1 + gain_r(l)) / cost(l)``, from the measured
+    rates alone."""
+    point = PointMasses.rated(rates, offers, slots)
     draft = rates.gains([DRAFTED], slots)[0]
     verify = np.array([costs.verify[bucket_for(level + 1, buckets)] for level in range(slots + 1)])
     rows = int(active.sum())
     without = (rows + point.gains[active].sum(axis=0)) / verify
     drafting = (rows + np.maximum(point.gains[active], draft).sum(axis=0)) / (costs.draft + verify)
     level = 1 + int(np.argmax(drafting[1:]))
-    copying, forcing = point.split(point.gains[:, level] >= draft[level], level)
-    copying_without, forcing_without = point.split(point.available, int(np.argmax(without)))
-    return SourceSpeeds(float(drafting[level]), float(without.max()), copying, forcing, copying_without,
-                        forcing_without)
+    return SourceSpeeds(float(drafting[level]), float(without.max()), point.split(point.gains[:, level] >= draft[level],
+                        level), point.split(point.available, int(np.argmax(without))))
 
 
+PROPOSALS = ("auto", "draft", "copy")  # the draft and the point sources chosen per row and round, or one kind alone
 
-PROPOSALS = ("auto", "draft", "copy")  # where rows' proposals come from: chosen per row and round, or one source
 
-
-class Sources(NamedTuple):
+class Choice(NamedTuple):
     """What a round proposes from, chosen before its draft pass."""
 
     draft: bool  # the round runs the draft pass
-    copying: np.ndarray  # [B] rows that verify their copy instead of the draft
-    forcing: np.ndarray  # [B] rows that verify the tokens their grammar forces
+    points: np.ndarray  # [B] the point source each row verifies instead of the draft (``NOTHING``: none)
 
 
 class Plan(NamedTuple):
@@ -306,16 +311,16 @@ class Plan(NamedTuple):
     width: int  # the verify width, a compiled bucket
     limits: np.ndarray  # [B] int32: the proposals a row may keep (0: none, a plain target step)
     drafting: np.ndarray  # [B] rows verifying the draft
-    copying: np.ndarray  # [B] rows verifying their copy
-    forcing: np.ndarray  # [B] rows verifying their forced tokens
+    points: np.ndarray  # [B] the point source a row verifies (``NOTHING``: none)
     confidences: np.ndarray | None  # [B, G] per slot, the chance planned with: the draft's confidence, or
-    #                                 a copy's or forced token's measured acceptance; None when nothing was proposed
+    #                                 a point source's measured acceptance; None when nothing was proposed
+    names: tuple = ()  # the point sources' names, by index
 
     def source(self, row: int) -> str:
-        """What row ``row`` verified: "draft", "copy", "forced" or "" (nothing: a plain target step)."""
+        """What row ``row`` verified: "draft", a point source's name, or "" (nothing: a plain target step)."""
         if not self.limits[row]:
             return ""
-        return "copy" if self.copying[row] else "forced" if self.forcing[row] else "draft"
+        return self.names[self.points[row]] if self.points[row] != NOTHING else "draft"
 
 
 CostSource = Callable[[int, tuple], CostCurve]  # (batch size, verify widths) -> the measured cost curve
@@ -327,28 +332,29 @@ class Planner:
 
     Settings: ``width`` ("auto": draft when it pays, Algorithm 1 picks the
     width; an int: that width every round; None: the whole block every
-    round), ``proposals`` ("auto", "draft" or "copy") and ``threshold`` (a
-    draft ends at its first slot of lower confidence). ``costs``: the cost
-    curve (the same for every batch size) or a function measuring it per
-    batch size; read only under "auto".
+    round), ``proposals`` ("auto": the draft and the point sources, per row
+    and round; "draft"; "copy": the point sources alone) and ``threshold``
+    (a draft ends at its first slot of lower confidence). ``points``: the
+    point sources as ``(name, kinds)``, in order of preference where two
+    are rated equal. ``costs``: the cost curve (the same for every batch
+    size) or a function measuring it per batch size; read only under
+    "auto".
 
     State: the measured rates (``SlotRates``), the probe schedule and the
     cost curve of each batch size the batch has had (``resize``).
 
-    A round asks ``sources`` (whether it drafts, which rows verify a copy
-    or their forced tokens), then ``plan`` (the width and each row's limit,
-    from the draft's confidences and the point masses' rates), and once its
-    tokens are known ``learn``. With the draft as the only source
-    (``ahead``) a round's sources are chosen during the round before, so its
-    draft is evaluated with that round's verify; with copies and forced
-    tokens (``copies``) they are chosen once the previous round's tokens are
-    known, since those are made from them. Another source of point-mass
-    proposals enters as forced tokens did: another kind of ``SlotRates`` and
-    another mask beside ``copying`` and ``forcing``.
+    A round asks ``sources`` (whether it drafts, which rows verify a point
+    source's offer), then ``plan`` (the width and each row's limit, from the
+    draft's confidences and the offers' rates), and once its tokens are
+    known ``learn``. With the draft as the only source (``ahead``) a round's
+    sources are chosen during the round before, so its draft is evaluated
+    with that round's verify; with point sources (``pointed``) they are
+    chosen once the previous round's tokens are known, since the offers are
+    made from them.
     """
 
     def __init__(self, block_size: int, *, width="auto", proposals: str = "auto", threshold: float = 0.0,
-                 costs: "CostCurve | CostSource | None" = None, batch: int = 1):
+                 costs: "CostCurve | CostSource | None" = None, batch: int = 1, points: Sequence[tuple] = ()):
         if not (width is None or width == "auto" or (isinstance(width, int) and not isinstance(width, bool))):
             raise ValueError(f"verify width must be an integer, None or 'auto', got {width!r}")
         if proposals not in PROPOSALS:
@@ -362,22 +368,39 @@ class Planner:
                              "measures one)")
         self.block_size, self.proposals, self.threshold = block_size, proposals, threshold
         self.buckets = width_buckets(block_size, self.max_width)
-        self.copies = self.max_width > 1 and (proposals == "copy" or (proposals == "auto" and self.auto))
+        self.names = tuple(name for name, _ in points)
+        kinds = [int(count) for _, count in points]
+        self.first_kind = tuple(1 + int(sum(kinds[:i])) for i in range(len(kinds)))  # each source's first rate row
+        self.pointed = bool(points) and self.max_width > 1 and (proposals == "copy" or (proposals == "auto" and self.auto))
         self._measure = costs if callable(costs) else (lambda batch, buckets: costs)
         self.curves: dict = {}  # batch size -> its cost curve
         self.batch = batch
         self.resize(batch)
+        self.point_kinds = sum(kinds)
         self.reset()
 
     @property
     def ahead(self) -> bool:
         """Whether a round's sources are chosen during the round before (the draft is the only source)."""
-        return not self.copies
+        return not self.pointed
 
     @property
     def costs(self) -> CostCurve | None:
         """The running batch size's cost curve under "auto" (None for a fixed width)."""
         return self.curves[self.batch] if self.auto else None
+
+    def rate_row(self, source: int, kind: int) -> int:
+        """The ``SlotRates`` row of kind ``kind`` (``1..kinds``) of point source ``source``."""
+        return self.first_kind[source] + kind - 1
+
+    def offers(self, offered: Sequence[Sequence[Offer]]) -> Offers:
+        """The round's offers (``offered[s][b]``: point source s's for row b)
+        with their rate rows; an offer of no tokens is none."""
+        rates = [[self.rate_row(s, offer.kind) if offer.kind and offer.tokens else 0 for offer in source]
+                 for s, source in enumerate(offered)]
+        batch = len(offered[0]) if offered else self.batch
+        return Offers(np.array(rates, int).reshape(len(offered), batch),
+                      [[list(offer.tokens) for offer in source] for source in offered])
 
     def resize(self, batch: int) -> None:
         """Plan for a batch of ``batch`` rows: its cost curve (measured on
@@ -390,29 +413,27 @@ class Planner:
         """Forget the measured rates and the probe schedule: a sequence
         that runs alone from here follows the same decisions, so its seeded
         samples repeat."""
-        self.rates = SlotRates.start(self.max_width - 1)
+        self.rates = SlotRates.start(self.max_width - 1, self.point_kinds)
         self.plain_rounds, self.probe_interval = 0, 1
 
-    def sources(self, matches: np.ndarray, live: np.ndarray, forced: np.ndarray | None = None) -> Sources:
-        """Whether the coming round drafts, and the rows that verify their
-        copy (``matches [B]``: the length of the ending each row's copy
-        matched, 0 without one) or the tokens their grammar forces
-        (``forced [B]``: how many, 0 for none or no grammar). Reads finished
-        rounds and the committed tokens only, never the round it decides."""
-        forced = np.zeros(len(live), int) if forced is None or not self.copies else np.asarray(forced)
-        none = np.zeros_like(live)
+    def sources(self, offers: Offers, live: np.ndarray) -> Choice:
+        """Whether the coming round drafts, and the point source (if any)
+        each row verifies instead. Reads finished rounds and the committed
+        tokens only, never the round it decides."""
+        none = np.full(len(live), NOTHING)
         if self.max_width == 1:
-            return Sources(False, none, none)
+            return Choice(False, none)
+        if not self.pointed:
+            offers = Offers.none(len(live))
         if self.proposals == "copy":
-            point = PointMasses.rated(self.rates, matches, forced, self.max_width - 1)
-            return Sources(False, *point.split(live, self.max_width - 1))
+            return Choice(False, PointMasses.rated(self.rates, offers, self.max_width - 1).split(live, self.max_width - 1))
         if not self.auto:  # a fixed width drafts every round
-            return Sources(True, none, none)
-        speeds = source_speeds(self.rates, matches, live, self.costs, self.buckets, self.max_width - 1, forced)
+            return Choice(True, none)
+        speeds = source_speeds(self.rates, offers, live, self.costs, self.buckets, self.max_width - 1)
         if not self._draft_pays(speeds.drafting, speeds.without):
-            return Sources(False, speeds.copying_without & live, speeds.forcing_without & live)
-        copying, forcing = speeds.copying & live, speeds.forcing & live
-        return Sources(bool((live & ~copying & ~forcing).any()), copying, forcing)
+            return Choice(False, np.where(live, speeds.points_without, NOTHING))
+        points = np.where(live, speeds.points, NOTHING)
+        return Choice(bool((live & (points == NOTHING)).any()), points)
 
     def _draft_pays(self, drafting: float, without: float) -> bool:
         """Draft when that is predicted faster; otherwise probe after 1, 2,
@@ -427,50 +448,44 @@ class Planner:
         self.plain_rounds += 1
         return False
 
-    def plan(self, draft_confidences: np.ndarray | None, matches: np.ndarray, sources: Sources, live: np.ndarray,
-             fresh: np.ndarray, forced: np.ndarray | None = None) -> Plan:
+    def plan(self, draft_confidences: np.ndarray | None, offers: Offers, choice: Choice, live: np.ndarray,
+             fresh: np.ndarray) -> Plan:
         """The round's width and limits. ``draft_confidences [B, G]``: the
-        sigmoid of the draft's confidence logits, None without a draft; ``fresh
-        [B]``: live rows the draft does not cover (they joined after it was
-        made); ``forced [B]``: the forced tokens each row has. A copying
-        row's slots are rated by its match length, a forcing row's by the
-        forced tokens' rate up to its count (and 0 past it); the threshold
-        cuts drafts only; Algorithm 1 ("auto") reads the live rows."""
-        copying, forcing = sources.copying, sources.forcing
-        drafting = live & ~copying & ~forcing & ~fresh if draft_confidences is not None else np.zeros_like(live)
-        proposing = drafting | copying | forcing
-        if not proposing.any():
-            return Plan(1, np.zeros(len(live), np.int32), drafting, copying, forcing, None)
+        sigmoid of the draft's confidence logits, None without a draft;
+        ``fresh [B]``: live rows the draft does not cover (they joined after
+        it was made). A row verifying a point source's offer has its slots
+        rated by that offer's kind up to its length (and 0 past it); the
+        threshold cuts drafts only; Algorithm 1 ("auto") reads the live rows."""
+        points = choice.points
+        pointing = points != NOTHING
+        drafting = live & ~pointing & ~fresh if draft_confidences is not None else np.zeros_like(live)
+        if not (drafting | pointing).any():
+            return Plan(1, np.zeros(len(live), np.int32), drafting, points, None, self.names)
         slots = self.max_width - 1
         confidences = np.zeros((len(live), self.block_size)) if draft_confidences is None else draft_confidences.copy()
-        for row in np.flatnonzero(copying):
-            confidences[row, :slots] = self.rates.acceptance[matches[row]]
-        limits = np.where(proposing, slots, 0)
-        for row in np.flatnonzero(forcing):
-            limits[row] = min(slots, int(forced[row]))
+        limits = np.where(drafting, slots, 0)
+        for row in np.flatnonzero(pointing):
+            source = points[row]
+            limits[row] = min(slots, len(offers.tokens[source][row]))
             confidences[row] = 0.0
-            confidences[row, : limits[row]] = self.rates.acceptance[FORCED, : limits[row]]
+            confidences[row, : limits[row]] = self.rates.acceptance[offers.rates[source, row], : limits[row]]
         if self.threshold > 0:
             limits = np.where(drafting, np.minimum(limits, threshold_lengths(confidences, self.threshold)), limits)
         if self.auto:
             allowed = np.arange(confidences.shape[1])[None, :] < limits[:, None]
             survival = np.cumprod(confidences, axis=1) * allowed
-            limits = np.minimum(limits, scheduled_length(survival[live][:, : self.max_width - 1], self.costs,
-                                                         self.buckets))
+            limits = np.minimum(limits, scheduled_length(survival[live][:, :slots], self.costs, self.buckets))
         widest = int(limits[live].max())
-        return Plan(bucket_for(widest + 1, self.buckets), limits.astype(np.int32), drafting, copying, forcing,
-                    confidences)
+        return Plan(bucket_for(widest + 1, self.buckets), limits.astype(np.int32), drafting, points, confidences,
+                    self.names)
 
-    def learn(self, plan: Plan, accepted: np.ndarray, copies: list, committed: list) -> None:
+    def learn(self, plan: Plan, accepted: np.ndarray, offers: Offers, committed: list) -> None:
         """A finished round: the draft's rates from the rows that verified it
-        (``accepted [B]``), and every row's copy (``copies[b]``, a
-        ``copying.Copy``) scored against the tokens it committed
-        (``committed[b]``), whether the round verified that copy or not;
-        the forced tokens' rate from the rows that verified theirs."""
+        (``accepted [B]``), and every point source's offers scored against
+        the tokens each row committed (``committed[b]``), whether the round
+        verified them or not."""
         if plan.drafting.any():
             rows = plan.drafting
             self.rates.observe_drafts(accepted[rows], plan.limits[rows], plan.confidences[rows])
-        if plan.forcing.any():
-            self.rates.observe_verified(FORCED, accepted[plan.forcing], plan.limits[plan.forcing])
-        if self.copies:
-            self.rates.observe_copies([copy.match for copy in copies], [copy.tokens for copy in copies], committed)
+        for kinds, proposals in zip(offers.rates, offers.tokens):
+            self.rates.observe_points(kinds, proposals, committed)

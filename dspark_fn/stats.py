@@ -40,7 +40,7 @@ class Tally:
 
     def add(self, emitted: int, accepted: int, drafted: int, source: str | None = None) -> None:
         """One round: tokens emitted, proposals accepted and verified, and
-        where they came from ("draft", "copy", "forced", "": see ``Event.source``)."""
+        where they came from ("draft", a point source's name, "": see ``Event.source``)."""
         if source is not None:
             self.by_source.setdefault(source_name(source), Tally()).add(emitted, accepted, drafted)
         self.rounds += 1
@@ -99,7 +99,7 @@ class Tally:
         return self
 
     def sources(self) -> dict:
-        """Per source ("draft", "copy", "forced", "none"): its rounds, their share of
+        """Per source ("draft", "copy", "forced", "store", ..., "none"): its rounds, their share of
         all rounds, tau and acceptance over them."""
         return {
             name: {"rounds": part.rounds, "share": part.rounds / self.rounds if self.rounds else 0.0,

@@ -166,10 +166,11 @@ class DraftBlock(NamedTuple):
 
 
 class Copies(NamedTuple):
-    """Copied continuations that rows verify in place of the draft's proposal."""
+    """Point-mass proposals (a point source's offers: copies, forced tokens, a
+    store's continuations) that rows verify in place of the draft's proposal."""
 
-    tokens: mx.array  # [B, W - 1] each copying row's copied tokens (any values in the other rows)
-    rows: mx.array  # [B] bool: the rows whose block is their copy
+    tokens: mx.array  # [B, W - 1] each such row's proposed tokens (any values in the other rows)
+    rows: mx.array  # [B] bool: the rows whose block is their point-mass proposal
 
 
 class TokenLogProbs(NamedTuple):
@@ -198,7 +199,7 @@ class Event(NamedTuple):
     drafted: list  # the proposals it verified
     tag: Hashable = None  # the sequence's tag (given to ``Decoder.insert``; ``generate``: the prompt's index)
     width: int = 0  # verify width of the round (shared by the batch; 0 for a prefill)
-    source: str = ""  # what it verified: "draft", "copy", "forced" or "" (nothing: a plain target step)
+    source: str = ""  # what it verified: "draft", a point source's name ("copy", "forced", "store", ...) or ""
     finish: str | None = None  # "stop" (its stop token), "length" (its budget) or "dead_end" (its grammar
     #                            admits no token) when the sequence ended here
     log_probs: list | None = None  # a TokenScore per emitted token, when the sequence asked
@@ -232,7 +233,7 @@ class Step(NamedTuple):
     accepted: list
     drafted: list  # per sequence: the proposals it verified
     width: int
-    sources: list  # per sequence: "draft", "copy", "forced" or "" (see ``Event.source``)
+    sources: list  # per sequence: "draft", a point source's name or "" (see ``Event.source``)
     finished: list  # per sequence: "stop", "length", "dead_end" or None (it goes on)
     log_probs: list | None = None  # per sequence: a TokenScore per emitted token, or None (not asked)
     ended: list = []  # an ``Ended`` per sequence that ended in this step (its row is free again)

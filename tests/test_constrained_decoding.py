@@ -31,11 +31,12 @@ import pytest
 
 import dspark_fn
 from dspark_fn import driver, rounds
+from dspark_fn import sources as proposing
 from dspark_fn.buffers import capacity_for
 from dspark_fn.constraints import Constraint, compile_constraint
 from dspark_fn.kernel import TRACE_COUNTS
 from dspark_fn.sampling import Mode
-from dspark_fn.schedule import FORCED, CostCurve, width_buckets
+from dspark_fn.schedule import CostCurve, width_buckets
 from dspark_fn.types import Proposal
 from grammars import (CONSTRAINTS, EOS, JSON_PIECES, JSON_VOCAB, PieceTokenizer, check_valid, constrained_pair,
                       mlx_lm_constrained_greedy, vocabulary)
@@ -92,7 +93,7 @@ def scripted_draft(monkeypatch, prompts: list, truths: list, kind: str) -> None:
         return Proposal(tokens=mx.array(rows, mx.int32), confidence_logits=mx.full((batch, BLOCK), 3.0),
                         log_probs=mx.zeros((batch, BLOCK, JSON_VOCAB)))
 
-    monkeypatch.setattr(driver, "propose", propose)
+    monkeypatch.setattr(proposing, "propose", propose)
 
 
 def decode(params, grammars, names: list, prompts: list, truths: list, **options) -> list:
@@ -150,13 +151,13 @@ def test_the_draft_alone_waits_for_the_grammar_when_a_row_is_held(pair, grammars
     drafts after the round's commits, each pass with the grammar's mask on
     the constrained row's first slot, and still equals the target alone."""
     _, params = pair
-    real, given = driver.propose, []
+    real, given = proposing.propose, []
 
     def propose(params, cache, tokens, sampling=None, masks=None):
         given.append(None if masks is None else np.array(masks))
         return real(params, cache, tokens, sampling, masks)
 
-    monkeypatch.setattr(driver, "propose", propose)
+    monkeypatch.setattr(proposing, "propose", propose)
     names = ["nested object", "regex"]
     truths = [references(name, prompt) for name, prompt in zip(names, PROMPTS[:2])]
     streams, _ = decode(params, grammars, names, PROMPTS[:2], truths, **MODES["draft alone"])
@@ -181,8 +182,8 @@ def test_forced_tokens_are_verified_without_a_draft_pass(pair, vocab, references
     grammar = compile_constraint(Constraint.json_schema(schema), vocab)
     truth = mlx_lm_constrained_greedy(pair[0], PROMPTS[1], Constraint.json_schema(schema), vocab, BUDGET)
     drafts = []
-    propose = driver.propose
-    monkeypatch.setattr(driver, "propose", lambda *args, **kwargs: drafts.append(True) or propose(*args, **kwargs))
+    propose = proposing.propose
+    monkeypatch.setattr(proposing, "propose", lambda *args, **kwargs: drafts.append(True) or propose(*args, **kwargs))
     decoder = dspark_fn.Decoder(params, 1, costs=COSTS)
     stream = decoder.start([PROMPTS[1]], constraints=grammar).emitted[0]
     forced = 0
@@ -196,7 +197,9 @@ def test_forced_tokens_are_verified_without_a_draft_pass(pair, vocab, references
             forced += len(step.drafted[0])
     assert stream == truth
     assert forced > len(truth) / 2, (forced, len(truth))
-    assert (decoder.planner.rates.acceptance[FORCED] == 1).all() and decoder.planner.rates.observed[FORCED, 0] > 0
+    forced_kind = decoder.planner.rate_row(decoder.planner.names.index("forced"), 1)
+    rates = decoder.planner.rates
+    assert (rates.acceptance[forced_kind] == 1).all() and rates.observed[forced_kind, 0] > 0
 
 
 @pytest.mark.parametrize("text", ["a", "ab"])

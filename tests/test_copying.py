@@ -13,7 +13,7 @@ Breaks tried, and the tests that catch them:
   test_copies_continue_the_committed_text, test_a_hybrid_target_rolls_back_after_copies
   (sampled: test_sampling's control "copy accepted without checking the target",
   ``point_mass`` at -inf everywhere);
-- the index not updated after a rollback (``Decoder._commit`` indexes each
+- the index not updated after a rollback (``Decoder.step`` indexes each
   row's verified block, rejected proposals included, instead of the
   committed tokens): test_copies_continue_the_committed_text;
 - copies rated only when verified (``Planner.learn`` scores the copies of
@@ -36,7 +36,7 @@ import dspark_fn
 from dspark_fn import CostCurve
 from dspark_fn.copying import LONGEST_MATCH, SHORTEST_MATCH, CopyIndex
 from dspark_fn.kernel import TRACE_COUNTS
-from dspark_fn.schedule import DRAFTED, SlotRates, source_speeds
+from dspark_fn.schedule import DRAFTED, NOTHING, Offers, SlotRates, source_speeds
 from dspark_fn.stats import Tally, combined
 from helpers import (
     build_bigram_draft, build_draft, build_pair, build_target, damp_attention, draft_config, mlx_lm_greedy,
@@ -95,11 +95,11 @@ def test_lookup_by_hand():
 def test_copies_are_rated_whether_verified_or_not():
     """Each copy is scored against what its row committed: slot k counts
     where the copy's first k tokens were committed and slot k was."""
-    rates = SlotRates.start(4, longest_match=2)
+    rates = SlotRates.start(4, point_kinds=2)
     matches = [2, 0, 1, 2]
     copies = [[7, 8, 9, 9], [1, 1, 1, 1], [3, 4, 5, 6], [7, 1, 2, 3]]
     committed = [[7, 8, 5], [1], [3, 4], [6]]  # row 2 kept both it could show; row 1 has no copy
-    rates.observe_copies(matches, copies, committed)
+    rates.observe_points(matches, copies, committed)
     assert rates.acceptance[2].tolist() == [0.5, 1.0, 0.0, 1.0]  # slot 0: 7 vs 7, 7 vs 6; then row 0 alone
     assert rates.observed[2].tolist() == [2, 1, 1, 0]
     assert rates.acceptance[1].tolist() == [1.0, 1.0, 1.0, 1.0] and rates.observed[1].tolist() == [1, 1, 0, 0]
@@ -110,16 +110,21 @@ def test_sources_follow_the_measured_rates():
     """Good copies and a poor draft: no draft pass. A good draft and poor
     short copies: the draft runs, and only rows whose copies match longer
     endings (measured better than the draft) verify them."""
-    rates = SlotRates.start(4, longest_match=4)
+    rates = SlotRates.start(4, point_kinds=4)
     active, buckets = np.ones(3, bool), (1, 2, 3, 4, 5)
     rates.acceptance[DRAFTED] = 0.1
-    speeds = source_speeds(rates, np.array([4, 0, 2]), active, COSTS, buckets, 4)
+    speeds = source_speeds(rates, copy_offers([4, 0, 2]), active, COSTS, buckets, 4)
     assert speeds.without > speeds.drafting
     rates.acceptance[DRAFTED] = 0.8
     rates.acceptance[1] = 0.1
-    speeds = source_speeds(rates, np.array([1, 0, 4]), active, COSTS, buckets, 4)
+    speeds = source_speeds(rates, copy_offers([1, 0, 4]), active, COSTS, buckets, 4)
     assert speeds.drafting > speeds.without
-    assert speeds.copying.tolist() == [False, False, True]
+    assert speeds.points.tolist() == [NOTHING, NOTHING, 0]
+
+
+def copy_offers(matches: list) -> Offers:
+    """One point source's offers of four tokens, rated under the kind of each row's match (0: no offer)."""
+    return Offers(np.array([matches]), [[[5, 6, 7, 8] if match else [] for match in matches]])
 
 
 @pytest.fixture(scope="module")
@@ -245,7 +250,7 @@ def test_copies_continue_the_committed_text(pair, proposals):
                 copies += 1
             texts[tag] += emitted
     assert copies > 5
-    assert [row.index.tokens for row in decoder.rows] == texts
+    assert [row.followers[1].tokens for row in decoder.rows] == texts  # the copy index (default_sources: forced, copy)
     assert all(text[len(p):] == mlx_lm_greedy(model, p, len(text) - len(p)) for p, text in zip(prompts, texts))
 
 
@@ -331,15 +336,15 @@ def test_a_round_of_copies_runs_no_draft_pass(unique_echo, monkeypatch):
     """A round in which every row verifies a copy launches no draft; with
     proposals="copy" the draft never runs."""
     params, stream = unique_echo
-    driver = importlib.import_module("dspark_fn.driver")
+    proposing = importlib.import_module("dspark_fn.sources")
     calls = []
-    real = driver.propose
+    real = proposing.propose
 
     def counted(*args, **kwargs):
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(driver, "propose", counted)
+    monkeypatch.setattr(proposing, "propose", counted)
     prompts = [stream[30:50], list(range(1, 21))]
     decoder = dspark_fn.Decoder(params, 2, width="auto", costs=COSTS, capacity=512)
     decoder.start(prompts)

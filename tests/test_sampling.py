@@ -20,7 +20,8 @@ samplers at the end are rejected at p < 1e-6 by the same checks.
 The draft's cases propose from the draft alone; two cases verify copies of
 the context (point-mass proposals): copies alone under top-k/top-p (a
 copied token the filters exclude is never kept), and copies and drafts
-chosen row by row in one batch. The last section holds rows to a grammar
+chosen row by row in one batch; one verifies a store of the target's
+greedy answers (point masses too). The last section holds rows to a grammar
 (constrained sampling: the mask, then temperature, top-k, top-p) through a
 loop over the pure functions with a matcher per row, with its own negative
 controls.
@@ -41,11 +42,14 @@ from dspark_fn.checkpoints import save_draft
 from dspark_fn.constraints import commit, compile_constraint, draft_masks, next_masks, verify_masks
 from dspark_fn.drafts.vocab import reduced_checkpoint
 from dspark_fn.sampling import Mode, batch_sampling, constrained, log_probs
+from dspark_fn.sources import StoredAnswers
+from dspark_fn.store import build_store
 from grammars import ALTERNATING, SAMPLING_PIECES, EngineMask, vocabulary
 from helpers import build_bigram_draft, build_target, mlx_lm_greedy, speculative_tokens, target_config
 from hybrids import HYBRID_SHAPES
 
 SAMPLES = 20_000
+STORED = object()  # stands for the store of ``stored_answers``, built from the target of the run
 TOKENS = 8
 PIT_BINS = 20
 PROMPT = [5, 9]
@@ -247,7 +251,21 @@ CASES = {
     "copies and drafts in one batch": (
         "good", Sampling(1.0), dict(width="auto", costs=CostCurve(0.5, {1: 1.0, 2: 1.1, 3: 1.2, 4: 1.5})),
     ),
+    # a store of the target's greedy answers alone (``stored_answers``): point masses, often right
+    "stored answers": ("bad", Sampling(1.0), dict(width=None, proposals="copy", sources=STORED)),
 }
+
+
+def stored_answers(model, options: dict) -> dict:
+    """``options`` with ``sources=STORED`` replaced by a store of the
+    target's greedy answers to 64 two-token prompts (not learning, so every
+    row proposes from the same store)."""
+    if options.get("sources") is not STORED:
+        return options
+    vocab = CONFIG["vocab_size"]
+    prompts = np.random.default_rng(3).integers(0, vocab, (64, 2)).tolist()
+    store = build_store([mlx_lm_greedy(model, prompt, 10) for prompt in [PROMPT] + prompts], vocab, "harness")
+    return dict(options, sources=(StoredAnswers(store, learning=False),))
 
 
 HYBRID_CASES = ("good draft", "bad draft", "top-k top-p", "auto width")
@@ -259,7 +277,7 @@ def sampled(request):
     target, case = request.param
     model, pairs = target_models(request, target)
     draft, sampling, kwargs = CASES[case]
-    outcomes, widths, mixed = sampled_streams(pairs[draft], sampling, seed=len(case), **kwargs)
+    outcomes, widths, mixed = sampled_streams(pairs[draft], sampling, seed=len(case), **stored_answers(model, kwargs))
     return case, model, sampling, outcomes, widths, mixed
 
 
@@ -278,6 +296,8 @@ def test_every_position_matches_target_sampling(sampled):
         assert 1 in widths and max(widths) > 1, widths  # rounds with and without a draft
     if case == "copies and drafts in one batch":
         assert mixed, "no round verified copies and drafts side by side"
+    if case == "stored answers":
+        assert max(widths) > 1, "no round verified the store's proposals"
     pit = pit_values(model, outcomes, sampling, seed=len(case))
     for position in range(TOKENS):
         p_value = uniform_p_value(pit[:, position])
@@ -376,8 +396,14 @@ BROKEN = {
     ),
     "recurrent state not rolled back": ("good", Sampling(1.0), CACHE, "settle_entry", last_state_kept),
     "copy accepted without checking the target": ("good", Sampling(1.0), DRIVER, "point_mass", blind_copy),
+    "stored continuation accepted without checking the target": (
+        "bad", Sampling(1.0), DRIVER, "point_mass", blind_copy,
+    ),
 }
-PROPOSALS_OF = {"copy accepted without checking the target": "copy"}  # the others break the draft's rounds
+PROPOSALS_OF = {  # the others break the draft's rounds
+    "copy accepted without checking the target": dict(proposals="copy"),
+    "stored continuation accepted without checking the target": dict(proposals="copy", sources=STORED),
+}
 CONTROLS = [("qwen3", name) for name in sorted(BROKEN) if name != "recurrent state not rolled back"] + [
     ("hybrid", name) for name in ("accepts every draft", "no residual, good draft", "recurrent state not rolled back")
 ]
@@ -397,9 +423,8 @@ def test_the_harness_rejects_broken_samplers(request, monkeypatch, target, name)
     monkeypatch.setattr(module, attribute, broken)
     clear_kernels()
     try:
-        outcomes, _, _ = sampled_streams(
-            pairs[draft], sampling, seed=len(name), width=None, proposals=PROPOSALS_OF.get(name, "draft")
-        )
+        options = stored_answers(model, PROPOSALS_OF.get(name, dict(proposals="draft")))
+        outcomes, _, _ = sampled_streams(pairs[draft], sampling, seed=len(name), width=None, **options)
     finally:
         monkeypatch.undo()
         clear_kernels()

@@ -11,14 +11,15 @@ import pytest
 import dspark_fn
 from dspark_fn.kernel import TRACE_COUNTS
 from dspark_fn.costs import cached_costs, monotone
-from dspark_fn.copying import Copy
 from dspark_fn.schedule import (
     DRAFTED,
-    FORCED,
+    NOTHING,
+    Choice,
     CostCurve,
+    Offer,
+    Offers,
     Plan,
     Planner,
-    Sources,
     bucket_for,
     scheduled_length,
     threshold_lengths,
@@ -91,7 +92,7 @@ def test_threshold_cuts_at_the_first_low_confidence():
 def drafts(planner: Planner, confidences: np.ndarray, live: np.ndarray) -> Plan:
     """The plan of a round in which every live row verifies the draft."""
     none = np.zeros(len(live), bool)
-    return planner.plan(confidences, np.zeros(len(live), int), Sources(True, none, none), live, none)
+    return planner.plan(confidences, Offers.none(len(live)), Choice(True, np.full(len(live), NOTHING)), live, none)
 
 
 def test_plan_uses_active_rows_only():
@@ -219,15 +220,24 @@ def test_measured_curves_never_decrease_with_width():
 
 GATE_COSTS = CostCurve(0.5, {1: 1.0, 2: 1.1, 3: 1.2, 4: 1.3, 6: 1.5})
 ALL = np.ones(4, bool)
-NO_COPIES = np.zeros(4, int)
+POINTS = (("forced", 1), ("copy", 4))  # the bundled point sources, in their order (sources.default_sources)
+FORCED, COPY = 0, 1
+
+
+def offered(planner: Planner, matches=(0, 0, 0, 0), forced=(0, 0, 0, 0), tokens=(1, 2, 3, 4, 5)) -> Offers:
+    """Each row's forced tokens (``forced[b]`` of them) and its copy of ``tokens`` (a match of ``matches[b]``)."""
+    return planner.offers([[Offer(list(tokens[:count]), 1) for count in forced],
+                           [Offer(list(tokens) if match else [], match) for match in matches]])
+
+
+NO_OFFERS = Offers.none(4)
 
 
 def drafted_round(planner: Planner, accepted, limits, confidences) -> None:
     """``planner`` learns from a round in which every row verified the draft."""
     rows = len(accepted)
-    none = np.zeros(rows, bool)
-    plan = Plan(BLOCK + 1, np.array(limits), np.ones(rows, bool), none, none, np.array(confidences))
-    planner.learn(plan, np.array(accepted), [Copy([], 0)] * rows, [[] for _ in range(rows)])
+    plan = Plan(BLOCK + 1, np.array(limits), np.ones(rows, bool), np.full(rows, NOTHING), np.array(confidences))
+    planner.learn(plan, np.array(accepted), Offers.none(rows), [[] for _ in range(rows)])
 
 
 def test_the_planner_measures_the_drafts_acceptance_per_slot():
@@ -245,45 +255,47 @@ def test_the_planner_measures_the_drafts_acceptance_per_slot():
 
 def test_the_planner_declines_drafts_that_do_not_pay_and_probes_with_backoff():
     planner = Planner(BLOCK, costs=GATE_COSTS)
-    assert planner.sources(NO_COPIES, ALL).draft  # untried: optimistic
+    assert planner.sources(NO_OFFERS, ALL).draft  # untried: optimistic
     drafted_round(planner, np.zeros(4, int), np.full(4, 5), np.full((4, 5), 0.1))  # every draft rejected
-    decisions = [planner.sources(NO_COPIES, ALL).draft for _ in range(60)]
+    decisions = [planner.sources(NO_OFFERS, ALL).draft for _ in range(60)]
     probes = [i for i, drafted in enumerate(decisions) if drafted]
     gaps = np.diff([-1] + probes) - 1  # plain rounds before each probe
     assert gaps.tolist()[:6] == [1, 2, 4, 8, 16, 16]
     planner.reset()
-    assert planner.sources(NO_COPIES, ALL).draft and planner.rates.observed.sum() == 0
+    assert planner.sources(NO_OFFERS, ALL).draft and planner.rates.observed.sum() == 0
 
 
 def test_the_planner_drafts_again_once_acceptance_recovers():
     planner = Planner(BLOCK, costs=GATE_COSTS)
     drafted_round(planner, np.zeros(4, int), np.full(4, 5), np.full((4, 5), 0.1))
-    assert not planner.sources(NO_COPIES, ALL).draft
+    assert not planner.sources(NO_OFFERS, ALL).draft
     for _ in range(10):  # an easy stretch: every draft accepted
         drafted_round(planner, np.full(4, 5), np.full(4, 5), np.full((4, 5), 0.9))
-    assert all(planner.sources(NO_COPIES, ALL).draft for _ in range(5))
+    assert all(planner.sources(NO_OFFERS, ALL).draft for _ in range(5))
 
 
 def test_fixed_widths_draft_every_round_and_the_threshold_cuts_drafts_only():
-    every = Planner(BLOCK, width=4, threshold=0.5)
+    every = Planner(BLOCK, width=4, threshold=0.5, points=POINTS)
     assert every.ahead and every.max_width == 4 and every.costs is None
-    assert all(every.sources(NO_COPIES, ALL).draft for _ in range(5))
+    assert all(every.sources(offered(every, matches=(2, 2, 2, 2)), ALL).draft for _ in range(5))
     confidences = np.array([[0.9, 0.4, 0.9, 0.9, 0.9], [0.9] * 5, [0.9] * 5, [0.1] * 5])
     fresh = np.array([False, False, True, False])  # joined after the draft: nothing to verify
-    plan = every.plan(confidences, NO_COPIES, Sources(True, ~ALL, ~ALL), ALL, fresh)
+    plan = every.plan(confidences, NO_OFFERS, Choice(True, np.full(4, NOTHING)), ALL, fresh)
     assert plan.width == 4 and plan.limits.tolist() == [1, 3, 0, 0]
     assert [plan.source(row) for row in range(4)] == ["draft", "draft", "", ""]
-    plain = Planner(BLOCK, width=1, proposals="copy")
-    nothing = plain.sources(np.array([2, 0, 1, 0]), ALL)
-    assert not plain.copies and not nothing.draft and not nothing.copying.any()
-    assert plain.plan(None, NO_COPIES, Sources(False, ~ALL, ~ALL), ALL, ~ALL).width == 1
-    copies_only = Planner(BLOCK, width=None, proposals="copy", threshold=0.95)
+    plain = Planner(BLOCK, width=1, proposals="copy", points=POINTS)
+    nothing = plain.sources(offered(plain, matches=(2, 0, 1, 0)), ALL)
+    assert not plain.pointed and not nothing.draft and (nothing.points == NOTHING).all()
+    assert plain.plan(None, NO_OFFERS, nothing, ALL, ~ALL).width == 1
+    copies_only = Planner(BLOCK, width=None, proposals="copy", threshold=0.95, points=POINTS)
     live = np.array([True, True, True, False])
-    sources = copies_only.sources(np.array([2, 0, 1, 3]), live)
-    assert not copies_only.ahead and not sources.draft and sources.copying.tolist() == [True, False, True, False]
-    plan = copies_only.plan(None, np.array([2, 0, 1, 3]), sources, live, ~ALL)  # untried copies: rated 1
+    offers = offered(copies_only, matches=(2, 0, 1, 3))
+    choice = copies_only.sources(offers, live)
+    assert not copies_only.ahead and not choice.draft and choice.points.tolist() == [COPY, NOTHING, COPY, NOTHING]
+    plan = copies_only.plan(None, offers, choice, live, ~ALL)  # untried copies: rated 1
     assert plan.width == BLOCK + 1 and plan.limits.tolist() == [BLOCK, 0, BLOCK, 0]
     assert [plan.source(row) for row in range(4)] == ["copy", "", "copy", ""]
+    assert not Planner(BLOCK, width=None, proposals="copy").pointed  # no point sources: nothing to propose
 
 
 def test_the_planner_chooses_copies_where_they_beat_the_draft():
@@ -291,19 +303,18 @@ def test_the_planner_chooses_copies_where_they_beat_the_draft():
     rows with such a copy verify it, the rows without one take the draft;
     when every live row has one, the round runs no draft pass. A copy is
     scored against what its row committed, verified or not."""
-    planner = Planner(BLOCK, costs=COSTS)
+    planner = Planner(BLOCK, costs=COSTS, points=POINTS)
     planner.rates.acceptance[DRAFTED] = 0.6
-    matches = np.array([3, 0, 0, 3])
-    drafts_tokens = [1, 2, 3, 4, 5]
+    offers = offered(planner, matches=(3, 0, 0, 3))
     for _ in range(3):
-        plan = Plan(1, np.zeros(4, np.int32), ~ALL, ~ALL, ~ALL, None)  # a plain round: the copies were not verified
-        planner.learn(plan, np.zeros(4, int), [Copy(drafts_tokens, match) for match in matches],
-                      [drafts_tokens[:2]] * 4)
-    assert planner.rates.acceptance[3, :2].tolist() == [1.0, 1.0] and planner.rates.observed[3, 2] == 0
-    sources = planner.sources(matches, ALL)
-    assert sources.draft and sources.copying.tolist() == [True, False, False, True]
-    alone = planner.sources(matches, np.array([True, False, False, True]))
-    assert not alone.draft and alone.copying.tolist() == [True, False, False, True]
+        plan = Plan(1, np.zeros(4, np.int32), ~ALL, np.full(4, NOTHING), None)  # a plain round: copies not verified
+        planner.learn(plan, np.zeros(4, int), offers, [[1, 2]] * 4)
+    three = planner.rate_row(COPY, 3)
+    assert planner.rates.acceptance[three, :2].tolist() == [1.0, 1.0] and planner.rates.observed[three, 2] == 0
+    choice = planner.sources(offers, ALL)
+    assert choice.draft and choice.points.tolist() == [COPY, NOTHING, NOTHING, COPY]
+    alone = planner.sources(offers, np.array([True, False, False, True]))
+    assert not alone.draft and alone.points.tolist() == [COPY, NOTHING, NOTHING, COPY]
 
 
 def test_the_planner_verifies_forced_tokens_where_they_beat_the_draft():
@@ -311,24 +322,39 @@ def test_the_planner_verifies_forced_tokens_where_they_beat_the_draft():
     measured at 0.6 a slot), the others take the draft, and a round in which
     every live row is forced runs no draft pass. They enter the plan with
     survival 1 up to their count (the threshold does not cut them) and are
-    learned under ``FORCED``."""
-    planner = Planner(BLOCK, costs=COSTS, threshold=0.7)
+    learned under their own kind."""
+    planner = Planner(BLOCK, costs=COSTS, threshold=0.7, points=POINTS)
     planner.rates.acceptance[DRAFTED] = 0.6
-    forced = np.array([3, 0, 5, 0])
-    sources = planner.sources(NO_COPIES, ALL, forced)
-    assert sources.draft and sources.forcing.tolist() == [True, False, True, False] and not sources.copying.any()
-    alone = planner.sources(NO_COPIES, np.array([True, False, True, False]), forced)
-    assert not alone.draft and alone.forcing.tolist() == [True, False, True, False]
-    plan = planner.plan(np.full((4, BLOCK), 0.6), NO_COPIES, sources, ALL, ~ALL, forced)
+    offers = offered(planner, forced=(3, 0, 5, 0))
+    choice = planner.sources(offers, ALL)
+    assert choice.draft and choice.points.tolist() == [FORCED, NOTHING, FORCED, NOTHING]
+    alone = planner.sources(offers, np.array([True, False, True, False]))
+    assert not alone.draft and alone.points.tolist() == [FORCED, NOTHING, FORCED, NOTHING]
+    plan = planner.plan(np.full((4, BLOCK), 0.6), offers, choice, ALL, ~ALL)
     # the drafts are cut by the threshold; Θ over levels 0..4: 4/1.2, 6/1.25, 8/1.3, 10/1.35, 11/1.55: level 3
     assert plan.width == 4 and plan.limits.tolist() == [3, 0, 3, 0]
     assert [plan.source(row) for row in range(4)] == ["forced", "", "forced", ""]
     assert plan.confidences[0].tolist() == [1, 1, 1, 0, 0]
-    planner.learn(plan, np.array([3, 0, 3, 0]), [Copy([], 0)] * 4, [[] for _ in range(4)])
-    assert planner.rates.observed[FORCED].tolist() == [2, 2, 2, 0, 0]
-    assert (planner.rates.acceptance[FORCED] == 1).all()
-    never = Planner(BLOCK, width=BLOCK + 1, proposals="draft")  # the draft alone: forced tokens are not proposed
-    assert not never.sources(NO_COPIES, ALL, forced).forcing.any()
+    planner.learn(plan, np.array([3, 0, 3, 0]), offers, [[1, 2, 3, 9], [4], [1, 2, 3, 4], [4]])
+    forced = planner.rate_row(FORCED, 1)
+    assert planner.rates.observed[forced].tolist() == [2, 2, 2, 1, 0]  # row 2's fourth forced token counts too
+    assert (planner.rates.acceptance[forced] == 1).all()
+    never = Planner(BLOCK, width=BLOCK + 1, proposals="draft", points=POINTS)  # the draft alone: no point masses
+    assert (never.sources(offers, ALL).points == NOTHING).all()
+
+
+def test_the_best_offer_wins_and_ties_go_to_the_earlier_source():
+    """Two point sources offering to the same rows: a row verifies the offer
+    rated higher at the chosen level; rated equal, the earlier source's."""
+    planner = Planner(BLOCK, width=None, proposals="copy", points=POINTS)
+    offers = offered(planner, matches=(3, 3, 0, 2), forced=(2, 0, 0, 2))
+    planner.rates.acceptance[planner.rate_row(COPY, 3)] = 0.9
+    planner.rates.acceptance[planner.rate_row(COPY, 2)] = 0.5
+    choice = planner.sources(offers, ALL)
+    # row 0: at the widest level the copy (5 × 0.9 survival) beats two forced tokens; row 3: forced beats 0.5s
+    assert choice.points.tolist() == [COPY, COPY, NOTHING, FORCED]
+    tied = planner.sources(offered(planner, matches=(1, 0, 0, 0), forced=(5, 0, 0, 0)), ALL)
+    assert tied.points.tolist() == [FORCED, NOTHING, NOTHING, NOTHING]  # both untried (rated 1): the earlier wins
 
 
 def test_the_planner_keeps_its_measurements_across_batch_sizes_and_measures_each_once():

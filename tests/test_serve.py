@@ -30,6 +30,7 @@ import pytest
 import dspark_fn
 from dspark_fn.checkpoints import load_tokenizer
 from dspark_fn.chat import chat_tokens, stop_tokens
+from dspark_fn.store import load as load_store
 from helpers import build_draft, build_target, free_port, mlx_lm_greedy
 from numerics import fp32_bound
 from hybrids import HYBRID_SHAPES, hybrid_draft_config
@@ -743,3 +744,22 @@ def test_a_burst_past_the_queue_is_refused_at_once_and_the_rest_answered(pair, l
             assert health["queue"]["waiting"] == 0 and health["active"] == 0
             memory.append(health["memory"]["resident_bytes"])
     assert memory[1] <= memory[0] * 1.05
+
+
+def test_a_store_fed_by_the_server_answers_a_repeated_request(pair, library, tmp_path):
+    """``dspark serve --store PATH``: the first answer joins the store, the
+    same request again verifies the store's proposals (its rounds reported
+    under "store"), both answers are the library's, and the store is saved
+    to PATH when the server stops."""
+    path = tmp_path / "answers.npz"
+    with running_server(pair, max_batch=2, extra=("--store", str(path))) as (base, process, _):
+        client = openai.OpenAI(base_url=base + "/v1", api_key="unused")
+        replies = [chat(client, "count with me", max_tokens=24) for _ in range(2)]
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=60)
+    expected = reference_text(library, "count with me", 24)
+    assert [reply.choices[0].message.content for reply in replies] == [expected, expected]
+    sources = [reply.model_extra["dspark"]["sources"] for reply in replies]
+    assert "store" not in sources[0] and sources[1]["store"]["rounds"] > 0, sources
+    saved = load_store(path, library[0].spec.target.vocab_size, MODEL)
+    assert len(saved) > 0

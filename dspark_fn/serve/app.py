@@ -508,9 +508,12 @@ class Server(uvicorn.Server):
         return self.engine.dead or await super().on_tick(counter)
 
 
-def serve(engine: Engine, tokenizer, model_name: str, host: str, port: int, **options) -> int:
-    """Serve until a signal (returns 0) or an engine that cannot start again
-    (returns 1); ``options``: ``create_app``'s."""
+def serve(engine: Engine, tokenizer, model_name: str, host: str, port: int, on_stop=lambda: None, **options) -> int:
+    """Serve until a signal (returns 0, unless uvicorn ends the process with
+    that signal once it shut down) or an engine that cannot start again
+    (returns 1); ``on_stop`` runs once the engine has stopped, either way;
+    ``options``: ``create_app``'s."""
     app = create_app(engine, tokenizer, model_name, **options)
+    app.on_event("shutdown")(on_stop)  # after the app's own, which stops the engine
     Server(uvicorn.Config(app, host=host, port=port, log_level="warning"), engine).run()
     return 1 if engine.dead else 0

@@ -15,6 +15,9 @@ A request that ends comes back from the decoder as one record, whose cache
 recurrent states) is kept for the conversation's next turn, under its
 tokens with each image token paired with its image's content hash: a later
 turn about the same image reuses it and never encodes the image again.
+With a prompt-cache directory (``prompt_disk``) the kept caches that leave
+memory, and all of them when the engine stops, are written there as files,
+and an engine started later over the same directory reuses them.
 
 Over several ranks (``mlx.launch``) rank 0 serves HTTP and every rank runs
 this same thread on its share of the target. The thread's only inputs are
@@ -67,6 +70,7 @@ from ..threads import run_parked
 from ..types import Ended, ImagePrompt, Params, TokenLogProbs, prompt_key
 from .mailbox import Mailbox
 from .prompt_cache import PromptCache
+from .prompt_disk import DEFAULT_BUDGET, DiskTier
 
 RETRY_AFTER = 1  # seconds a refused client is asked to wait before trying again
 
@@ -183,11 +187,13 @@ def running_batch(requests: int, max_batch: int) -> int:
 class Engine:
     """The decoding loop, on a thread of its own (``threads.run_parked``:
     it parks when the loop ends). ``submit`` queues a request; ``close``
-    cancels what is in flight and ends the loop."""
+    cancels what is in flight and ends the loop (writing the prompt cache
+    to ``prompt_cache_dir``, where one is given)."""
 
     def __init__(self, params: Params, max_batch: int = 8, max_context: int = 4096,
                  prompt_cache_bytes: int = 1 << 30, group=None, max_queue: int = 64, queue_timeout: float = 600.0,
-                 grammars=None, **decoder_options):
+                 grammars=None, prompt_cache_dir=None, prompt_cache_dir_bytes: int = DEFAULT_BUDGET,
+                 **decoder_options):
         self.params, self.max_context, self.max_batch = params, max_context, max_batch
         self.grammars = grammars  # compiles requests' constraints (``structured.Grammars``), where none came compiled
         self.max_queue, self.queue_timeout = max_queue, queue_timeout
@@ -195,7 +201,9 @@ class Engine:
         self.prompt_tokens = self.generated_tokens = 0  # over every request served
         self.served = Tally()  # the rounds of every request served, by proposal source
         self.group = group if group is not None and group.size() > 1 else None
-        self.prompt_cache = PromptCache(prompt_cache_bytes)
+        if prompt_cache_dir is not None and self.group is not None:
+            raise ValueError("a prompt-cache directory holds one process's whole caches, and each rank holds its "
+                             "share: drop --prompt-cache-dir under mlx.launch")
         self.arrived: deque = deque()  # submitted, not yet taken in by the engine thread
         self.waiting: deque = deque()  # taken in, waiting for a row
         self.taken = 0  # requests taken in so far
@@ -206,6 +214,8 @@ class Engine:
         self.published: dict = {}  # the engine thread's state for other threads (``_publish``)
         self.dead = False  # failed and could not start again
         materialised(params)  # params built by hand may be pending; the engine thread builds all decoding state
+        disk = None if prompt_cache_dir is None else DiskTier(prompt_cache_dir, params, prompt_cache_dir_bytes)
+        self.prompt_cache = PromptCache(prompt_cache_bytes, disk=disk)
         self.decoder, started = None, threading.Event()
         if self.group is not None and self.group.rank() != 0:
             self.finished = None  # a rank without clients runs the loop in ``follow``
@@ -277,7 +287,8 @@ class Engine:
         self.published = {
             "active": len(self.running), "batch": self.decoder.batch, "timed_out": self.timed_out,
             "prompt_cache": {"entries": len(cache), "bytes": cache.used, "budget_bytes": cache.budget,
-                             "hits": cache.hits, "misses": cache.misses},
+                             "hits": cache.hits, "misses": cache.misses,
+                             "disk": cache.disk.stats() if cache.disk is not None else None},
             "traces": dict(TRACE_COUNTS),  # kernels compiled so far: a rise explains a slow round
             "served": {"prompt_tokens": self.prompt_tokens, "generated_tokens": self.generated_tokens,
                        "sources": {name: {"rounds": part.rounds, "emitted": part.emitted, "accepted": part.accepted,
@@ -294,6 +305,7 @@ class Engine:
             while self._decode():  # it failed: start again with an empty batch
                 self._start_decoder(decoder_options)
                 self.failure = None
+            self.prompt_cache.spill()  # stopped, not failed: the kept conversations outlive the process on disk
         except Exception as error:  # it cannot start again
             self.failure = f"{self.failure}; starting again failed with {type(error).__name__}: {error}"
             self.dead = True

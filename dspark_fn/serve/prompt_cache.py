@@ -14,6 +14,12 @@ the node it ends at.
 The entries are also kept in least recently used order, their bytes summed
 as they come and go: storing evicts the oldest past the budget, each
 eviction unlinking one entry's path.
+
+With a disk tier (``prompt_disk``) an entry evicted leaves for a file rather
+than for nothing, and so does every entry when the engine stops; a lookup
+walks the disk tier's index (a trie like this one, of the files' tokens)
+too, and a file sharing more with the prompt than any entry in memory is
+loaded, checked, and kept in memory again.
 """
 
 from collections import OrderedDict
@@ -142,55 +148,44 @@ def unchanged(length: int) -> int:
     return length
 
 
-class PromptCache:
-    """Finished conversations' caches, least recently used evicted past
-    ``budget_bytes``. A new prompt reuses the stored sequence sharing its
-    longest prefix (at least ``min_tokens``). A cache holding recurrent states
-    is reused only whole: its states are those after all its tokens, so it
-    matches only a prompt that starts with every one of them."""
+class PrefixTrie:
+    """Entries under token sequences, in a radix trie and in least recently
+    used order, their bytes summed. An entry is any record with a ``size``
+    and a ``recurrent`` flag: the prompt cache keeps caches in one
+    (``PromptCache``) and its disk tier the files on disk in another
+    (``prompt_disk.DiskTier``); the rules of reuse are the same for both."""
 
-    def __init__(self, budget_bytes: int, min_tokens: int = 16):
-        self.budget, self.min_tokens = budget_bytes, min_tokens
+    def __init__(self):
         self.root = Node()
         self.lru: OrderedDict = OrderedDict()  # the nodes holding entries, least recently used first
         self.used = 0  # bytes of all entries
-        self.hits = self.misses = 0
 
     def __len__(self) -> int:
         return len(self.lru)
 
-    @property
-    def entries(self) -> MappingProxyType:
-        """What is stored, for inspection: tokens -> (cache, bytes), least
-        recently used first; rebuilt from the trie at each call, read-only."""
-        return MappingProxyType({tokens_of(node): (node.entry.cache, node.entry.size) for node in self.lru})
-
     def clear(self) -> None:
-        """Drop every entry (the counts of hits and misses go on)."""
         self.root, self.used = Node(), 0
         self.lru.clear()
 
-    def store(self, tokens: list, cache: Cache) -> None:
-        """Keep a one-row ``cache`` in buffers of its own (``buffers.row_cache``)
-        under the leading tokens of ``tokens`` it holds (its length), in place
-        of any cache stored under the same tokens."""
-        tokens = tuple(tokens[: int(cache.length[0])])
-        if self.budget <= 0 or len(tokens) < self.min_tokens:
-            return
-        mx.eval(cache)  # the running batch's buffers stay free to update in place
-        size = sum(a.nbytes for _, a in tree_flatten((cache.target, cache.draft)))
+    def put(self, tokens: tuple, entry) -> Node:
+        """``entry`` under ``tokens``, the most recently used, in place of any
+        entry stored under the same tokens; the node that holds it (it stays
+        that entry's node until the entry is removed or replaced)."""
         node = graft(self.root, tokens)
         if node.entry is not None:
             self._release(node)
             del self.lru[node]
-        node.entry = Entry(cache, size, cache.recurrent)
-        recount(node, int(not node.entry.recurrent))
-        self.used += size
+        node.entry = entry
+        recount(node, int(not entry.recurrent))
+        self.used += entry.size
         self.lru[node] = None
-        while self.lru and self.used > self.budget:
-            oldest, _ = self.lru.popitem(last=False)
-            self._release(oldest)
-            prune(oldest)
+        return node
+
+    def remove(self, node: Node) -> None:
+        """Take ``node``'s entry out, and the nodes only it held up."""
+        del self.lru[node]
+        self._release(node)
+        prune(node)
 
     def _release(self, node: Node) -> None:
         """Take ``node``'s entry out of the counts and the bytes."""
@@ -198,13 +193,17 @@ class PromptCache:
         self.used -= node.entry.size
         node.entry = None
 
-    def lookup(self, prompt: list, resumable=None) -> Cache | None:
-        """The stored cache sharing the longest prefix with ``prompt`` (a
-        ``prompt_key``: images by their content), its length cut to that
-        prefix (and to leave at least one prompt token; with ``resumable``,
-        to the longest prefix it allows: not inside an image). ``resumable``
-        only shortens, and a longer prefix never resumes earlier than a
-        shorter one: the deepest shared prefix gives the longest cut."""
+    def oldest(self) -> Node:
+        return next(iter(self.lru))
+
+    def longest(self, prompt: list, resumable=None) -> tuple[int, Node | None]:
+        """``(length, node)``: the longest prefix of ``prompt`` an entry can
+        serve, and the node of that entry (0 and None where none serves
+        any). The prefix leaves at least one prompt token, and with
+        ``resumable`` it is the longest that allows (not inside an image);
+        ``resumable`` only shortens, and a longer prefix never resumes
+        earlier than a shorter one, so the deepest shared prefix gives the
+        longest cut. Nothing is marked used."""
         resume = resumable if resumable is not None else unchanged
         path = descend(self.root, tuple(prompt[: len(prompt) - 1]))
         length, holder = 0, None
@@ -219,9 +218,92 @@ class PromptCache:
             if reach == node.depth and entry is not None and entry.recurrent and resume(reach) == reach:
                 length, holder = reach, node
                 break
+        return length, holder
+
+
+class PromptCache(PrefixTrie):
+    """Finished conversations' caches, least recently used evicted past
+    ``budget_bytes``. A new prompt reuses the stored sequence sharing its
+    longest prefix (at least ``min_tokens``). A cache holding recurrent states
+    is reused only whole: its states are those after all its tokens, so it
+    matches only a prompt that starts with every one of them.
+
+    With a ``disk`` tier (``prompt_disk.DiskTier``) an entry evicted from
+    memory is written there, and so is every entry at ``spill`` (the
+    engine's stop); a lookup that finds a longer prefix on disk than in
+    memory loads that file, checked, and keeps it in memory again."""
+
+    def __init__(self, budget_bytes: int, min_tokens: int = 16, disk=None):
+        super().__init__()
+        self.budget, self.min_tokens, self.disk = budget_bytes, min_tokens, disk
+        self.hits = self.misses = 0
+
+    @property
+    def entries(self) -> MappingProxyType:
+        """What is stored in memory, for inspection: tokens -> (cache, bytes),
+        least recently used first; rebuilt from the trie at each call, read-only."""
+        return MappingProxyType({tokens_of(node): (node.entry.cache, node.entry.size) for node in self.lru})
+
+    def clear(self) -> None:
+        """Drop every entry in memory (the counts of hits and misses go on;
+        the disk tier's files stay: each is checked again when loaded)."""
+        super().clear()
+
+    def store(self, tokens: list, cache: Cache) -> None:
+        """Keep a one-row ``cache`` in buffers of its own (``buffers.row_cache``)
+        under the leading tokens of ``tokens`` it holds (its length), in place
+        of any cache stored under the same tokens."""
+        tokens = tuple(tokens[: int(cache.length[0])])
+        if self.budget <= 0 or len(tokens) < self.min_tokens:
+            return
+        mx.eval(cache)  # the running batch's buffers stay free to update in place
+        size = sum(a.nbytes for _, a in tree_flatten((cache.target, cache.draft)))
+        self.put(tokens, Entry(cache, size, cache.recurrent))
+        while self.lru and self.used > self.budget:
+            self._evict(self.oldest())
+
+    def _evict(self, node: Node) -> None:
+        """Take ``node``'s entry out of memory, onto disk where there is a disk tier."""
+        if self.disk is not None:
+            self.disk.keep(tokens_of(node), node.entry.cache, node.entry.size)
+        self.remove(node)
+
+    def spill(self) -> None:
+        """Every entry in memory written to the disk tier (the least recently
+        used first, so the files' order of use is the memory's); the memory
+        keeps them."""
+        if self.disk is not None:
+            for node in list(self.lru):
+                self.disk.keep(tokens_of(node), node.entry.cache, node.entry.size)
+
+    def lookup(self, prompt: list, resumable=None) -> Cache | None:
+        """The stored cache sharing the longest prefix with ``prompt`` (a
+        ``prompt_key``: images by their content), its length cut to that
+        prefix (and to leave at least one prompt token; with ``resumable``,
+        to the longest prefix it allows: not inside an image); from disk
+        where a file there shares more than any entry in memory."""
+        length, holder = self.longest(prompt, resumable)
+        if self.disk is not None and (found := self._load(prompt, resumable, length)) is not None:
+            self.hits += 1
+            return found
         if length < max(self.min_tokens, 1):  # an empty prefix saves nothing
             self.misses += 1
             return None
         self.hits += 1
         self.lru.move_to_end(holder)
         return holder.entry.cache._replace(length=mx.array([length], mx.int32))
+
+    def _load(self, prompt: list, resumable, beaten: int) -> Cache | None:
+        """The disk tier's cache for the longest prefix of ``prompt`` it holds
+        past ``beaten`` tokens (and ``min_tokens``), kept in memory again, its
+        length cut to that prefix; None where it holds none. A file that
+        fails its checks is dropped, and the next best tried."""
+        while True:
+            length, node = self.disk.longest(prompt, resumable)
+            if length <= beaten or length < max(self.min_tokens, 1):
+                return None
+            tokens = tokens_of(node)
+            cache = self.disk.load(node)
+            if cache is not None:
+                self.store(tokens, cache)
+                return cache._replace(length=mx.array([length], mx.int32))
