@@ -208,11 +208,25 @@ class SlotRates:
         for (kind, slot), kept in outcomes.items():
             self.learn(kind, slot, np.array(kept))
 
+    def expected(self, kinds: np.ndarray, slots: int) -> np.ndarray:
+        """``[R, slots]``: the rates a plan reads for each row's kind. A point
+        source's untried slot after a tried one counts at the rate of the
+        slot before it: its offers are scored every round, so a slot stays
+        untried only while the slots before it are rarely accepted (taken as
+        always accepted, it would rate a poor source's long offers high).
+        The draft's untried slots count as accepted, so that it is tried."""
+        kinds = np.asarray(kinds, int)
+        rates = self.acceptance[kinds, :slots].copy()
+        carried = (self.observed[kinds, :slots] == 0) & (kinds != DRAFTED)[:, None]
+        for slot in range(1, slots):
+            rates[:, slot] = np.where(carried[:, slot], rates[:, slot - 1], rates[:, slot])
+        return rates
+
     def gains(self, kinds: np.ndarray, slots: int, lengths: np.ndarray | None = None) -> np.ndarray:
         """``[R, slots + 1]``: expected accepted proposals of each row's kind
         when it verifies its first ``l`` slots (column l); a row has only its
         first ``lengths[r]`` proposals when given."""
-        survival = np.cumprod(self.acceptance[np.asarray(kinds, int), :slots], axis=1)
+        survival = np.cumprod(self.expected(kinds, slots), axis=1)
         if lengths is not None:
             survival = survival * (np.arange(slots) < np.asarray(lengths)[:, None])
         return np.concatenate([np.zeros((len(survival), 1)), np.cumsum(survival, axis=1)], axis=1)
@@ -468,7 +482,7 @@ class Planner:
             source = points[row]
             limits[row] = min(slots, len(offers.tokens[source][row]))
             confidences[row] = 0.0
-            confidences[row, : limits[row]] = self.rates.acceptance[offers.rates[source, row], : limits[row]]
+            confidences[row, : limits[row]] = self.rates.expected([offers.rates[source, row]], limits[row])[0]
         if self.threshold > 0:
             limits = np.where(drafting, np.minimum(limits, threshold_lengths(confidences, self.threshold)), limits)
         if self.auto:

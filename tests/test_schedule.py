@@ -383,3 +383,22 @@ def test_the_planner_keeps_its_measurements_across_batch_sizes_and_measures_each
 def test_the_planner_refuses_bad_settings(settings, message):
     with pytest.raises(ValueError, match=message):
         Planner(BLOCK, **settings)
+
+
+def test_an_untried_slot_of_a_point_source_counts_at_the_rate_before_it():
+    """A store kind whose first slot was accepted half the time and whose
+    later slots were never reached is rated 0.5, 0.25, ... (not 0.5, 0.5,
+    ...), so the draft (0.6 a slot) wins its rows; the draft's own untried
+    slots still count as accepted."""
+    flat = CostCurve(0.01, {width: 1.0 for width in BUCKETS})  # a nearly free draft pass, every width alike
+    planner = Planner(BLOCK, costs=flat, points=(("store", 1),))
+    kind = planner.rate_row(0, 1)
+    planner.rates.learn(kind, 0, np.array([True, False]))
+    assert planner.rates.expected([kind], 3)[0].tolist() == [0.5, 0.5, 0.5]
+    assert planner.rates.gains([kind], 3)[0].tolist() == [0, 0.5, 0.75, 0.875]
+    planner.rates.acceptance[DRAFTED] = 0.6
+    planner.rates.observed[DRAFTED, :2] = 1
+    assert planner.rates.expected([DRAFTED], 4)[0].tolist() == [0.6, 0.6, 0.6, 0.6]
+    offers = planner.offers([[Offer([1, 2, 3, 4, 5], 1)] * 4])
+    choice = planner.sources(offers, ALL)
+    assert choice.draft and (choice.points == NOTHING).all()
