@@ -12,7 +12,8 @@ first's.
 
 Environment: FAMILIES (default all five), N (prompts a family, default 8),
 TOKENS (default 128), REPEATS (default 2), TEMPERATURE (default 0: greedy,
-tokens compared with mlx-lm's).
+tokens compared with mlx-lm's), REPEATED (default 1; 0 leaves out the
+learning store's two passes).
 """
 
 import json
@@ -38,6 +39,7 @@ N = int(os.environ.get("N", 8))
 TOKENS = int(os.environ.get("TOKENS", 128))
 REPEATS = int(os.environ.get("REPEATS", 2))
 TEMPERATURE = float(os.environ.get("TEMPERATURE", 0))
+REPEATED = os.environ.get("REPEATED", "1") == "1"  # 0: the side-by-side table alone
 
 
 def split_prompts() -> dict:
@@ -98,7 +100,7 @@ def main() -> None:
         print(f"| {family} | {plain['baseline_tokens_per_s']:.1f} | {plain['dspark_tokens_per_s']:.1f}, "
               f"{plain['speedup']:.2f}×, {plain['tau']:.2f} | {stored['dspark_tokens_per_s']:.1f}, "
               f"{stored['speedup']:.2f}×, {stored['tau']:.2f} | {identical} | {shares(stored)} |", flush=True)
-    if TEMPERATURE:
+    if TEMPERATURE or not REPEATED:
         return
     print("\nA store that learns, each family's prompts answered twice (an empty store first):\n")
     print("| family | first pass: τ, seconds | second pass: τ, seconds | second pass's rounds |\n|---|---|---|---|")

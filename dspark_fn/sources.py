@@ -103,23 +103,32 @@ class ContextCopies(PointSource):
         index.extend(tokens)
 
 
+CONFIDENCE_LEVELS = (0.4, 0.75)  # a stored continuation's share among its ending's, split into three kinds
+
+
 class StoredAnswers(PointSource):
     """The continuation the target's past answers most often took after the
-    row's ending (``store.Store``), rated by the ending's length; with
-    ``learning`` each finished answer is added to the store."""
+    row's ending (``store.Store``), rated by the ending's length and by how
+    clearly it led there (the first token's share of that ending's
+    continuations, in three levels: an ending that went on many ways is
+    rated apart from one that always went on alike); with ``learning`` each
+    finished answer is added to the store."""
 
     name = "store"
 
     def __init__(self, store: Store, learning: bool = True):
         self.store, self.learning = store, learning
-        self.kinds = store.longest
+        self.kinds = store.longest * (len(CONFIDENCE_LEVELS) + 1)
 
     def follow(self, context: list, matcher: Matcher | None) -> list:
         return list(context[-self.store.longest :])
 
     def offer(self, ending: list, slots: int) -> Offer:
         recall = self.store.propose(ending, slots)
-        return Offer(recall.tokens, recall.match)
+        if not recall.match:
+            return NO_OFFER
+        level = int(np.searchsorted(CONFIDENCE_LEVELS, recall.confidence, side="right"))
+        return Offer(recall.tokens, (recall.match - 1) * (len(CONFIDENCE_LEVELS) + 1) + level + 1)
 
     def commit(self, ending: list, tokens: list) -> None:
         ending[:] = (ending + list(tokens))[-self.store.longest :]  # only the ending is ever looked up

@@ -162,3 +162,15 @@ def test_the_cli_saves_what_the_store_learned(pair, tmp_path, monkeypatch):
     Store(CONFIG["vocab_size"], "another model").save(tmp_path / "other.npz")
     refused = run(tmp_path / "other.npz")
     assert refused.returncode == 2 and "answers of 'another model'" in refused.stderr
+
+
+def test_stored_offers_are_rated_by_match_and_by_how_clearly_the_ending_went_on():
+    """An ending that always went on alike and one that went on two ways
+    are offered under different kinds, as are endings of different lengths."""
+    store = build_store([[1, 2, 3, 4], [1, 2, 3, 4], [5, 6, 7], [5, 6, 8]], 16, "tiny")
+    source = StoredAnswers(store)
+    clear, split, short = source.offer([1, 2, 3], 1), source.offer([5, 6], 1), source.offer([9, 2, 3], 1)
+    assert clear.tokens == [4] and split.tokens == [7] and short.tokens == [4]
+    assert len({clear.kind, split.kind, short.kind}) == 3
+    assert all(1 <= offer.kind <= source.kinds for offer in (clear, split, short))
+    assert source.offer([9, 9], 1) == Offer([], 0)

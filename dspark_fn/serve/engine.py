@@ -28,10 +28,17 @@ same state, so all take the same decisions and run the same kernels;
 ``follow`` is the loop of a rank without clients.
 
 A request that asked for its prompt's scores (``score_prompt``) is
-prefilled alone, every prompt position scored (``prefilling.score_prompt``),
-before it takes a row; one that needs nothing past that prefill (no new
-token, or only the one the prefill gives) never takes a row: such requests
-are answered between rounds, a bounded number a pass, while the batch goes on.
+prefilled in a cache of its own, every prompt position scored
+(``prefilling.score_prompt``), before it takes a row; nothing of it comes
+from the prompt cache, whose prefix positions would go unscored. One that
+needs nothing past that prefill (no new token, or only the one the prefill
+gives) never takes a row: such requests are answered between rounds, up to
+``max_batch`` a pass, while the batch goes on, and the scored prompts of
+one pass are prefilled together, one row each (an evaluation harness sends
+many at once; an image prompt still goes alone). Each row keeps its
+request's sampling settings and the seed a cache of its own would give it,
+so a request scored beside others gets its scores alone (up to float
+rounding) and its own seed's draw; each row's cache is kept for a later turn.
 
 The queue is bounded: past ``max_queue`` requests waiting (arrived, not yet
 in a row) ``submit`` refuses with ``QueueFull``, and a request that has
@@ -64,6 +71,7 @@ from ..constraints import Constraint, Grammar
 from ..driver import TOP_LOG_PROBS, Decoder, token_scores
 from ..kernel import TRACE_COUNTS
 from ..prefilling import score_prompt
+from ..rng import row_seeds
 from ..sampling import GREEDY, Sampling
 from ..stats import Tally
 from ..threads import run_parked
@@ -176,6 +184,44 @@ def resident_bytes() -> int:
 def memory_use() -> dict:
     return {"resident_bytes": resident_bytes(), "mlx_active_bytes": mx.get_active_memory(),
             "mlx_cache_bytes": mx.get_cache_memory(), "mlx_peak_bytes": mx.get_peak_memory()}
+
+
+class ScoredPrompt(NamedTuple):
+    """One row of a scoring prefill, as its request is told it: ``scores`` (a
+    ``TokenScore`` per prompt token after the first, None where the request
+    asked for none), ``first`` (the token the prefill gives) and ``first_score``."""
+
+    scores: list | None
+    first: int
+    first_score: object
+
+
+def scoring_batches(requests: list) -> list[list]:
+    """The scored prompts of one pass as the prefills that score them: every
+    token prompt in one, each image prompt alone (an image row runs the
+    image variant of the chunk kernel and encodes its images: kept off the
+    text rows' prefill)."""
+    texts = [r for r in requests if not isinstance(r.prompt, ImagePrompt)]
+    return ([texts] if texts else []) + [[r] for r in requests if isinstance(r.prompt, ImagePrompt)]
+
+
+def request_seeds(requests: list) -> mx.array:
+    """Each request's row seed, the one a cache of its own gives it
+    (``init_cache(..., seed=request.seed)``), not its place in the batch's:
+    rows draw from their seed and own length only (``rng``), so a request's
+    first token is the same draw whatever batch scores it."""
+    return mx.concatenate([row_seeds(request.seed, 1) for request in requests])
+
+
+def scored_rows(requests: list, first, first_scored: TokenLogProbs, prompt_scored: TokenLogProbs) -> list:
+    """A ``ScoredPrompt`` per request, row ``b`` of ``score_prompt``'s results
+    for ``requests[b]``: its prompt's ``len - 1`` scores (the rest is
+    padding) and its first token's, each with its own number of alternatives."""
+    rows, tops = list(range(len(requests))), [request.top_log_probs for request in requests]
+    prompts = token_scores(prompt_scored, rows, [len(request.prompt) - 1 for request in requests], tops)
+    firsts = token_scores(TokenLogProbs(*(a[:, None] for a in first_scored)), rows, [1] * len(rows), tops)
+    return [ScoredPrompt(scores, token, None if score is None else score[0])
+            for scores, token, score in zip(prompts, first.tolist(), firsts)]
 
 
 def running_batch(requests: int, max_batch: int) -> int:
@@ -416,8 +462,9 @@ class Engine:
             self.running[request.number] = request  # in the batch from here: a failure ends it too
             self.prompt_tokens += len(request.prompt)
             if request.score_prompt:  # its prompt scored at every position: nothing of it comes from the cache
-                scored = self._score(request)[0]  # the row goes on from it, all but the last token (prefilled
-                # again for the first new one): a recurrent state holds only after every token, so not there
+                scored, (answer,) = self._score([request])  # the row goes on from it, all but the last token
+                # (prefilled again for the first new one): a recurrent state holds only after every token, so not there
+                request.events.put(Update("prompt", None, answer.scores))
                 prefix = None if scored.recurrent else scored._replace(
                     length=mx.array([len(request.prompt) - 1], mx.int32))
             else:
@@ -444,40 +491,58 @@ class Engine:
     def _answer_rowless(self) -> None:
         """Answer waiting requests that need no row (``Request.rowless``), at
         most ``max_batch`` a pass so that rounds go on between them: a scored
-        prompt's scores, the token its prefill gives, its cache kept."""
+        prompt's scores, the token its prefill gives, its cache kept. The
+        pass's scored prompts are prefilled together (``scoring_batches``)."""
+        scoring = []
         for request in [r for r in self.waiting if r.rowless][: self.max_batch]:
-            self.waiting.remove(request)
             if request.dropped:
+                self.waiting.remove(request)
                 request.events.put(Update("done", "cancelled"))
-                continue
-            try:
-                if not request.score_prompt:  # nothing to compute: the prompt (echoed) is the answer
-                    request.events.put(Update("done", "length"))
-                    continue
-                self.prompt_tokens += len(request.prompt)
-                cache, first, score = self._score(request)
-                self.prompt_cache.store(prompt_key(request.prompt), row_cache(cache, 0, len(request.prompt)))
-                if request.max_tokens:
-                    request.produced, self.generated_tokens = 1, self.generated_tokens + 1
-                    request.events.put(Update("tokens", [first], [score]))
-                request.events.put(Update("done", "stop" if request.max_tokens and first in request.stop_tokens
-                                          else "length"))
-            except Exception as error:  # not in the batch: its failure is told here, then the engine's
-                request.events.put(Update("error", f"{type(error).__name__}: {error}"))
-                raise
+            elif not request.score_prompt:  # nothing to compute: the prompt (echoed) is the answer
+                self.waiting.remove(request)
+                request.events.put(Update("done", "length"))
+            else:
+                scoring.append(request)
+        for requests in scoring_batches(scoring):
+            self._answer_scored(requests)
 
-    def _score(self, request: Request) -> tuple:
-        """Prefill ``request``'s prompt alone in a cache of its own, scoring
-        every position; tell the request its prompt's scores. Returns
-        ``(cache, the first token, its TokenScore)``."""
-        cache = init_cache(self.params, 1, capacity_for(1), seed=request.seed)
+    def _answer_scored(self, requests: list) -> None:
+        """Score ``requests``' prompts in one prefill and keep each row's cache
+        under its prompt, then tell each request its answer. They are in no
+        batch, so the engine's own failure handling would not reach them: a
+        failure ends each with its message here, then goes on to the engine's
+        (requests of a later prefill stay waiting, served once it runs again)."""
+        for request in requests:
+            self.waiting.remove(request)
+        try:
+            cache, answers = self._score(requests)
+            for row, request in enumerate(requests):
+                self.prompt_cache.store(prompt_key(request.prompt), row_cache(cache, row, len(request.prompt)))
+        except Exception as error:
+            for request in requests:
+                request.events.put(Update("error", f"{type(error).__name__}: {error}"))
+            raise
+        outbox = []
+        for request, answer in zip(requests, answers):
+            self.prompt_tokens += len(request.prompt)
+            outbox.append((request, Update("prompt", None, answer.scores)))
+            if request.max_tokens:
+                request.produced, self.generated_tokens = 1, self.generated_tokens + 1
+                outbox.append((request, Update("tokens", [answer.first], [answer.first_score])))
+            stopped = request.max_tokens and answer.first in request.stop_tokens
+            outbox.append((request, Update("done", "stop" if stopped else "length")))
+        self._send(outbox)
+
+    def _score(self, requests: list) -> tuple:
+        """Prefill ``requests``' prompts together, one row each, in a cache of
+        their own, scoring every position: ``(the cache, a ScoredPrompt per
+        request)``. Each row takes its request's sampling settings and seed
+        (``request_seeds``): a sampled first token is its own seed's draw."""
+        cache = init_cache(self.params, len(requests), capacity_for(1))._replace(seeds=request_seeds(requests))
         cache, first, first_scored, prompt_scored = score_prompt(
-            self.params, cache, [request.prompt], top=TOP_LOG_PROBS, sampling=request.sampling, grow=True)
-        top = [request.top_log_probs]
-        (prompt_scores,) = token_scores(prompt_scored, [0], [len(request.prompt) - 1], top)
-        ((first_score,),) = token_scores(TokenLogProbs(*(a[:, None] for a in first_scored)), [0], [1], top)
-        request.events.put(Update("prompt", None, prompt_scores))
-        return cache, int(first[0]), first_score
+            self.params, cache, [request.prompt for request in requests], top=TOP_LOG_PROBS,
+            sampling=[request.sampling for request in requests], grow=True)
+        return cache, scored_rows(requests, first, first_scored, prompt_scored)
 
     def _deliver(self, step) -> None:
         """Hand each request its new tokens (cut by the decoder at its stop
