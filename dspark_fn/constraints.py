@@ -345,11 +345,13 @@ class Matcher:
     def __init__(self, grammar: Grammar, state: llguidance.LLMatcher):
         self.grammar, self._state = grammar, state
         self.refused: int | None = None  # the committed token the grammar refused, if any
+        self._allowed: np.ndarray | None = None  # the engine's mask of this state, once computed: a round reads it
+        #                                          twice (the dead-end check, then the forced tokens)
 
     def copy(self) -> "Matcher":
         """An independent matcher in the same state (a fork)."""
         twin = Matcher(self.grammar, self._state.deep_copy())
-        twin.refused = self.refused
+        twin.refused, twin._allowed = self.refused, self._allowed
         return twin
 
     def commit(self, tokens: Sequence[int]) -> int:
@@ -363,6 +365,7 @@ class Matcher:
                 self.refused = token
                 return count
             self._state.consume_token(token)
+            self._allowed = None
         return len(tokens)
 
     def _allows(self, token: int) -> bool:
@@ -398,10 +401,16 @@ class Matcher:
         return self._mask(self._state) if not self.dead_end else np.zeros(self.grammar.vocabulary.words, np.uint32)
 
     def _mask(self, state: llguidance.LLMatcher) -> np.ndarray:
+        """The engine's mask of ``state`` (this matcher's own state's computed once)."""
+        if state is self._state and self._allowed is not None:
+            return self._allowed
         vocabulary = self.grammar.vocabulary
         engine = np.zeros((1, vocabulary.engine_words), np.int32)
         state.unsafe_compute_mask_ptr(engine.ctypes.data, engine.nbytes)
-        return vocabulary.widened(engine)[0]
+        allowed = vocabulary.widened(engine)[0]
+        if state is self._state:
+            self._allowed = allowed
+        return allowed
 
     def forced(self, limit: int) -> list[int]:
         """Up to ``limit`` tokens the grammar forces from here: while exactly

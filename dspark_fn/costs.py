@@ -111,9 +111,12 @@ def device_key() -> str:
     return f"{platform.node()}|{platform.machine()}|{mx.default_device()}|mlx {mx.__version__}|{in_use().name}"
 
 
+COST_METHOD = "cache handed on"  # how the kernels are timed; curves timed otherwise are timed again
+
+
 def cost_key(model: str, batch: int, capacity: int, sampling) -> str:
     digest = hashlib.sha256(model.encode()).hexdigest()[:16]
-    return f"{digest}|{device_key()}|batch {batch}|capacity {capacity}|{sampling}"
+    return f"{digest}|{device_key()}|batch {batch}|capacity {capacity}|{sampling}|{COST_METHOD}"
 
 
 def cached_costs(key: str, measure: Callable[[], CostCurve], path: Path | None = None) -> CostCurve:
@@ -147,17 +150,23 @@ def measured_in_view(params: Params, batch_size: int, widths, sampling) -> CostC
 def measure_costs(params: Params, batch_size: int, widths, sampling=GREEDY, report=None) -> CostCurve:
     """Time the draft kernel and the verify kernel of each width on this
     machine (``report``: see ``fastest_seconds``)."""
-    cache = init_cache(params, batch_size, COST_CAPACITY)
-    cache = cache._replace(length=mx.full((batch_size,), COST_CAPACITY // 2, mx.int32))
+    length = mx.full((batch_size,), COST_CAPACITY // 2, mx.int32)
+    held = [init_cache(params, batch_size, COST_CAPACITY)._replace(length=length)]
     tokens = mx.zeros((batch_size,), mx.int32)
-    proposal = propose(params, cache, tokens, sampling)
+    proposal = propose(params, held[0], tokens, sampling)
+    mx.eval(proposal)
 
     def verify_round(width):
+        # Each call takes the only reference to the cache and leaves the updated one, as the driver's rounds
+        # do: MLX then writes the verified positions in place. Timed against a cache that stays referenced,
+        # every call would copy the whole cache, a constant that hides how the cost grows with the width.
         source = proposal if width > 1 else no_proposal(batch_size)
-        return verify(params, cache, tokens, source, width, sampling=sampling)
+        updated, result = verify(params, held.pop(), tokens, source, width, sampling=sampling)
+        held.append(updated._replace(length=length))
+        return result, updated
 
     runs = {width: lambda width=width: verify_round(width) for width in widths}
-    runs["draft"] = lambda: propose(params, cache, tokens, sampling)
+    runs["draft"] = lambda: propose(params, held[0], tokens, sampling)
     seconds = fastest_seconds(runs, PASSES, report)
     return CostCurve(seconds.pop("draft"), monotone(seconds))
 

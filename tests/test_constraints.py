@@ -223,6 +223,32 @@ def test_forced_tokens_verify_as_point_masses(pair, vocab, grammars):
             assert result.emitted[0, : WIDTH - 1].tolist() == forced
 
 
+def test_a_state_is_masked_once_and_anew_after_each_commit(grammars, monkeypatch):
+    """A round asks a row's matcher whether it is stuck, then what it
+    forces: the engine computes the mask of its state once for both; after
+    a commit the next state's mask is computed afresh (what it forces then
+    is what a new matcher at that point forces)."""
+    computed = []
+    widened = Vocabulary.widened
+    monkeypatch.setattr(Vocabulary, "widened", lambda self, masks: computed.append(1) or widened(self, masks))
+    opening = TEXT("<tool_call>")
+    alone = grammars["tool call"].matcher()
+    alone.commit(opening)
+    computed.clear()
+    forced = alone.forced(WIDTH - 1)
+    forcing_alone = len(computed)
+    matcher = grammars["tool call"].matcher()
+    matcher.commit(opening)
+    computed.clear()
+    assert not matcher.stuck()
+    assert matcher.forced(WIDTH - 1) == forced and matcher.mask().any()
+    assert len(computed) == forcing_alone
+    matcher.commit(forced[:1])
+    fresh = grammars["tool call"].matcher()
+    fresh.commit(opening + forced[:1])
+    assert matcher.forced(WIDTH - 1) == fresh.forced(WIDTH - 1) and matcher.forced(WIDTH - 1)[: WIDTH - 2] == forced[1:]
+
+
 def bits(tokens, slots: int = 1) -> np.ndarray:
     """Masks ``[slots, words]`` allowing exactly ``tokens``."""
     allowed = np.zeros(32 * -(-JSON_VOCAB // 32), bool)

@@ -147,15 +147,39 @@ def test_auto_measures_on_first_use_then_reuses(pair, tmp_path, monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(costs_module, "measure_costs", counting)
+    key = costs_module.cost_key(costs_module.model_signature(params), 1, costs_module.COST_CAPACITY,
+                                dspark_fn.sampling.batch_sampling(dspark_fn.sampling.GREEDY, 1)[1])
+    timed_otherwise = key.removesuffix("|" + costs_module.COST_METHOD)  # a curve an earlier method timed
+    (tmp_path / "verify_costs.json").write_text(json.dumps({timed_otherwise: CostCurve(9.0, {1: 0.1}).to_json()}))
     prompt = [3, 4, 5]
     runs = [speculative_tokens(params, prompt, 12, width="auto") for _ in range(2)]
     assert runs[0] == runs[1]
     assert len(measured) == 1
     stored = json.loads((tmp_path / "verify_costs.json").read_text())
-    (curve,) = stored.values()
+    curve = stored[key]
     assert sorted(int(w) for w in curve["verify"]) == list(BUCKETS)
     seconds = [curve["verify"][str(w)] for w in BUCKETS]
     assert seconds == sorted(seconds)
+
+
+def test_costs_are_timed_on_a_cache_handed_from_round_to_round(pair, monkeypatch):
+    """Each timed verify gets the cache the previous one returned (its only
+    reference, as in the driver's rounds, so MLX updates it in place), not
+    one cache held for every call (which each call would copy whole)."""
+    _, params = pair
+    handed, returned = [], []
+    real = costs_module.verify
+
+    def watching(params, cache, *args, **kwargs):
+        handed.append(cache.target[0][0])
+        updated, result = real(params, cache, *args, **kwargs)
+        returned.append(updated.target[0][0])
+        return updated, result
+
+    monkeypatch.setattr(costs_module, "verify", watching)
+    costs_module.measure_costs(params, 1, BUCKETS)
+    assert len(handed) == (1 + costs_module.PASSES) * len(BUCKETS)  # a warm-up, then the timed passes
+    assert all(now is before for now, before in zip(handed[1:], returned))
 
 
 SCHEDULES = {
