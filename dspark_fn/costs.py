@@ -16,6 +16,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -119,14 +120,40 @@ def cost_key(model: str, batch: int, capacity: int, sampling) -> str:
     return f"{digest}|{device_key()}|batch {batch}|capacity {capacity}|{sampling}|{COST_METHOD}"
 
 
+def stored_curves(path: Path) -> dict:
+    """The cost cache's curves by key; a ``ValueError`` when the file holds
+    something else (edited by hand, damaged on disk)."""
+    try:
+        entries = json.loads(path.read_text())
+    except json.JSONDecodeError:
+        entries = None  # refused below with any other layout
+    if not isinstance(entries, dict) or not all(isinstance(entry, dict) for entry in entries.values()):
+        raise ValueError("not a JSON object of cost curves")
+    return entries
+
+
+def kept_curves(path: Path) -> dict:
+    """The curves kept at ``path``: none without a file, and none from a
+    file that holds something else (said on stderr; the next curve measured
+    replaces it, as curves are only ever a measurement away)."""
+    if not path.is_file():
+        return {}
+    try:
+        return stored_curves(path)
+    except ValueError as error:
+        print(f"dspark_fn: the cost cache {path} is unreadable ({error}); measuring again and replacing it",
+              file=sys.stderr)
+        return {}
+
+
 def cached_costs(key: str, measure: Callable[[], CostCurve], path: Path | None = None) -> CostCurve:
     """The cost curve stored under ``key``, measured (and stored) on first use."""
     path = path or cost_cache_path()
-    stored = json.loads(path.read_text()) if path.is_file() else {}
+    stored = kept_curves(path)
     if key in stored:
         return CostCurve.from_json(stored[key])
     curve = measure()
-    stored = json.loads(path.read_text()) if path.is_file() else {}  # others may have written meanwhile
+    stored = kept_curves(path)  # others may have written meanwhile
     measured = datetime.now(timezone.utc).isoformat(timespec="seconds")
     stored[key] = curve.to_json() | {"machine": device_key(), "measured": measured}
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -8,7 +8,6 @@ answers and which models its local cache holds. Every problem is printed
 with the command that fixes it.
 """
 
-import json
 import os
 import platform
 import subprocess
@@ -100,20 +99,10 @@ def blas_finding() -> Finding:
     return Finding("BLAS", lines, problems)
 
 
-def stored_curves(path: Path) -> dict:
-    """The cost cache's curves by key; a ``ValueError`` when the file holds
-    something else (cut short by a crash, edited by hand)."""
-    try:
-        entries = json.loads(path.read_text())
-    except json.JSONDecodeError:
-        entries = None  # refused below with any other layout
-    if not isinstance(entries, dict) or not all(isinstance(entry, dict) for entry in entries.values()):
-        raise ValueError("not a JSON object of cost curves")
-    return entries
-
-
 def cost_curves(path: Path, here: str) -> list[str]:
     """A line on the curves measured here (this machine and BLAS) and one on the others."""
+    from .costs import stored_curves
+
     if not path.is_file():
         return [f"cost curves: none yet ({path.name} is written on first use of the verify width 'auto')"]
     entries = stored_curves(path)

@@ -136,6 +136,16 @@ def test_costs_are_measured_once_and_cached(tmp_path):
     assert set(json.loads(path.read_text())) == {"model|device|batch 1", "model|device|batch 2"}
 
 
+@pytest.mark.parametrize("text", ["{\"model|device|batch 1\": {\"draft\": 0.1", "[1, 2]", "not json"])
+def test_an_unreadable_cost_cache_is_measured_again_and_replaced(tmp_path, capsys, text):
+    path = tmp_path / "costs.json"
+    path.write_text(text)
+    curve = cached_costs("model|device|batch 1", lambda: CostCurve(0.1, {1: 0.5, 2: 0.7}), path)
+    assert curve == CostCurve(0.1, {1: 0.5, 2: 0.7})
+    assert CostCurve.from_json(json.loads(path.read_text())["model|device|batch 1"]) == curve
+    assert f"the cost cache {path} is unreadable" in capsys.readouterr().err
+
+
 def test_auto_measures_on_first_use_then_reuses(pair, tmp_path, monkeypatch):
     _, params = pair
     monkeypatch.setenv("DSPARK_FN_CACHE", str(tmp_path))
