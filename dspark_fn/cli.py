@@ -768,7 +768,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)
-    except (ValueError, FileNotFoundError, RuntimeError) as error:
+    except (ValueError, OSError, RuntimeError) as error:  # OSError: a path not found, not writable, a folder
         print(f"dspark: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -157,3 +157,17 @@ def test_an_image_that_cannot_be_read_is_refused_before_the_model_loads(tmp_path
     assert cli.main(["generate", "--image", str(image), "What is this?"]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"dspark: {message}") and err.count("\n") == 1, err
+
+
+def test_a_path_the_system_refuses_is_one_line_and_exit_status_2(tmp_path, capsys):
+    """An output path that is a folder (or not writable) ends the command
+    with the system's reason naming the path, not a traceback."""
+    from dspark_fn.cli import main
+
+    answers = tmp_path / "answers.jsonl"
+    answers.write_text("[1, 2, 3, 4]\n")
+    folder = tmp_path / "taken"
+    folder.mkdir()
+    assert main(["store", "build", "--answers", str(answers), "--out", str(folder)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dspark: ") and str(folder) in err and err.count("\n") == 1, err
