@@ -103,10 +103,10 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def start_server(target: Path, port: int, log: Path) -> subprocess.Popen:
+def start_server(target: Path, port: int, log: Path, max_batch: int = 2) -> subprocess.Popen:
     process = subprocess.Popen(
         [sys.executable, "-m", "dspark_fn.cli", "serve", "--model", str(target), "--draft", str(DEFAULT_DRAFT),
-         "--dtype", "float32", "--port", str(port), "--max-batch", "2"],
+         "--dtype", "float32", "--port", str(port), "--max-batch", str(max_batch)],
         stdout=log.open("w"), stderr=subprocess.STDOUT)
     for _ in range(1200):
         try:
@@ -116,12 +116,18 @@ def start_server(target: Path, port: int, log: Path) -> subprocess.Popen:
             if process.poll() is not None:
                 break
             time.sleep(0.5)
+    process.kill()
     raise SystemExit("the server did not start: " + log.read_text())
+
+
+def offline_environment() -> dict:
+    """This process's environment, with lm-eval's libraries kept off the network (local data and tokenizer)."""
+    return dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
 
 
 def lm_eval(model: str, model_args: str, tasks: str, tasks_dir: Path, out: Path, *extra: str) -> None:
     """The ``lm_eval`` command, as its users run it (offline: local data, a local tokenizer)."""
-    env = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    env = offline_environment()
     command = ["lm_eval", "--model", model, "--model_args", model_args, "--tasks", tasks, "--include_path",
                str(tasks_dir), "--output_path", str(out), "--log_samples", *extra]
     print("$", " ".join(command), flush=True)
@@ -205,15 +211,22 @@ def run(root: Path) -> Path:
     return target
 
 
+def pair_encoder(target: Path):
+    """lm-eval's ``local-completions`` model of ``target``, never connected: its ``_encode_pair`` gives the
+    token ids of a (context, continuation) pair as lm-eval has them scored."""
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+    return LocalCompletionsAPI(base_url="http://127.0.0.1:1/v1/completions", model=str(target),
+                               tokenizer=str(target), tokenizer_backend="huggingface")
+
+
 def check(root: Path, target: Path) -> int:
     """The items of lm-eval's logged samples in ``root`` that differ from mlx-lm's."""
-    from lm_eval.models.openai_completions import LocalCompletionsAPI
     from mlx_lm.utils import load
 
     model, tokenizer = load(str(target))
     model.set_dtype(mx.float32)
-    encoder = LocalCompletionsAPI(base_url="http://127.0.0.1:1/v1/completions", model=str(target),
-                                  tokenizer=str(target), tokenizer_backend="huggingface")
+    encoder = pair_encoder(target)
     return check_log_likelihoods(model, encoder, root / "scores") + check_answers(model, tokenizer, root / "answers")
 
 
