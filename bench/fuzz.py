@@ -37,7 +37,6 @@ import http.client
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -55,6 +54,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E
 import fuzzing  # noqa: E402
 from fuzzing import VALID, bodies, check_answer, raw_bodies, sweep  # noqa: E402
 from multimodal import synthetic_image, write_pair  # noqa: E402
+from serve_bench import free_port  # noqa: E402
 
 REQUESTS = int(os.environ.get("REQUESTS", 10000))
 CLIENTS = int(os.environ.get("CLIENTS", 4))
@@ -70,12 +70,6 @@ EXAMPLES = 3  # example requests kept per failure kind
 GREEDY = {"messages": [{"role": "user", "content": "what is here?"}], "max_tokens": 8, "temperature": 0}
 wrong_keys = st.one_of(st.just(""), st.just(" "), st.text(max_size=20).filter(
     lambda key: key.strip() != KEY and key.isprintable() and key.isascii()))
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def rss_mb(pid: int, field: str = "VmRSS") -> float | None:

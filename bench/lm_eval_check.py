@@ -23,7 +23,6 @@ strings). Exits 1 on any difference.
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,7 +35,7 @@ import mlx.core as mx
 import numpy as np
 
 from dspark_fn.catalog import DEFAULT_DRAFT
-from serve_bench import export_target
+from serve_bench import export_target, free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from numerics import fp32_bound  # noqa: E402
@@ -95,12 +94,6 @@ def write_tasks(directory: Path) -> None:
         "output_type: generate_until\ndoc_to_text: \"{{question}}\"\ndoc_to_target: \"{{answer}}\"\n"
         f"generation_kwargs:\n  until: {json.dumps(UNTIL)}\n  max_gen_toks: {ANSWER_TOKENS}\n"
         "  do_sample: false\n  temperature: 0\nmetric_list:\n  - metric: exact_match\n")
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def start_server(target: Path, port: int, log: Path, max_batch: int = 2) -> subprocess.Popen:

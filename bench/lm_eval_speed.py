@@ -272,8 +272,8 @@ def table(runs: list, largest: dict, reference: str) -> str:
 
 
 def benchmark(root: Path) -> int:
-    from lm_eval_check import free_port, start_server, write_tasks
-    from serve_bench import export_target
+    from lm_eval_check import start_server, write_tasks
+    from serve_bench import export_target, free_port
 
     target = export_target(root / "target")
     write_tasks(root)
