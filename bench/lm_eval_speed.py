@@ -8,8 +8,8 @@ never asked):
   25?", four numeric choices), each after the same three solved ones
   (3-shot): the four requests of a question share a long context, which
   mlx-lm prefills once and scores each choice from (a copy of its cache),
-  while the server prefills each request whole (scored prompts read no
-  prompt cache: README, "Prompt scoring");
+  and the server scores once and reuses with its scores (README, "Prompt
+  scoring");
 - ``dspark_continue``: lm_eval_check's continuations (``write_tasks``).
 
 Each task is run, one process per run, by

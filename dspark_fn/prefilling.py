@@ -3,7 +3,8 @@ chunks (and extends the draft's context), ``insert`` prefills new prompts
 into free rows of a running batch.
 
 Chunks hold ``LONG_PREFILL_CHUNK`` tokens while that many remain, then the
-smallest chunk (``smallest_chunk``); a prompt pads to a multiple of it. One
+smallest chunk (``smallest_chunk``: smaller as more rows prefill together);
+a prompt pads to a multiple of it. One
 chunk kernel serves every prompt length (per capacity bucket), and each row
 continues from its own committed length, so a cached conversation prefix
 prefills only the rest.
@@ -32,13 +33,20 @@ LINEAR_PREFILL_CHUNK = 8  # the smallest chunk where a forward costs in proporti
 LONG_PREFILL_CHUNK = 256  # long stretches of a prompt go in these (bigger matmuls run faster)
 
 
-def smallest_chunk() -> int:
-    """``PREFILL_CHUNK``, where a bigger matmul costs less per token (OpenBLAS,
-    Accelerate, GPUs), so a few padded tokens cost less than more forwards;
-    ``LINEAR_PREFILL_CHUNK`` on the CPU over MLX's bundled reference BLAS,
-    where every padded token costs what a real one does (a 69-token prompt
-    padded to 128 took 1.6x mlx-lm's prefill there, in 8-token chunks 0.86x: BENCHMARK 0n)."""
-    return LINEAR_PREFILL_CHUNK if mx.default_device() == mx.cpu and blas.reference_blas() else PREFILL_CHUNK
+def smallest_chunk(rows: int = 1) -> int:
+    """The smallest chunk for ``rows`` prompts prefilled together. A chunk's
+    matmuls take ``rows x chunk`` tokens, and up to ``PREFILL_CHUNK`` of them
+    a bigger matmul costs less per token (OpenBLAS, Accelerate, GPUs), so a
+    few padded tokens cost less than more forwards: one row takes chunks of
+    ``PREFILL_CHUNK``, more rows a chunk as much smaller (down to
+    ``LINEAR_PREFILL_CHUNK``: eight rows of short prompts, each padded to 64,
+    took six times as long as in chunks of 8: BENCHMARK 0p). On the CPU over
+    MLX's bundled reference BLAS every padded token costs what a real one
+    does, so chunks are ``LINEAR_PREFILL_CHUNK`` for any rows (a 69-token
+    prompt padded to 128 took 1.6x mlx-lm's prefill there, in 8-token chunks 0.86x: BENCHMARK 0n)."""
+    if mx.default_device() == mx.cpu and blas.reference_blas():
+        return LINEAR_PREFILL_CHUNK
+    return max(LINEAR_PREFILL_CHUNK, PREFILL_CHUNK >> (max(rows, 1) - 1).bit_length())
 
 
 @lru_cache(maxsize=None)
@@ -132,6 +140,16 @@ def chunk_spans(length: int, sizes: tuple, whole: tuple = ()) -> list[tuple[int,
     return spans
 
 
+def split_chunks() -> bool:
+    """Whether each chunk must run before the next is built: over several
+    ranks a chunk's forward meets the others in collectives, and chunks left
+    lazy together may be scheduled in another order on each rank (a pipeline
+    stage's graph holds other layers than the next stage's), pairing one
+    chunk's sum with another's (a 130-token prompt in three chunks of 64 on
+    two pipeline ranks gave another first token)."""
+    return mx.distributed.init().size() > 1
+
+
 def prefill_slots(prompt_length: int) -> int:
     """Slots a prefill writes at most: the prompt padded to whole chunks."""
     return math.ceil(prompt_length / PREFILL_CHUNK) * PREFILL_CHUNK
@@ -195,9 +213,10 @@ def _run_prompts(params: Params, cache: Cache, rows: list, *, chunk_size: int | 
     tokens = [row_tokens(r) for r in rows]
     if any(not 0 <= t < vocab for r in tokens for t in r):
         raise ValueError(f"prompt token ids must be in 0..{vocab - 1}")
-    sizes = (chunk_size,) if chunk_size else (LONG_PREFILL_CHUNK, smallest_chunk())
-    sizes = tuple(min(size, cache.capacity) for size in sizes)
     starts = np.array(cache.length)
+    running, source = _distinct_rows(rows, starts)
+    sizes = (chunk_size,) if chunk_size else (LONG_PREFILL_CHUNK, smallest_chunk(len(running)))
+    sizes = tuple(min(size, cache.capacity) for size in sizes)
     padded_length = math.ceil(max(len(r) for r in tokens) / sizes[-1]) * sizes[-1]
     if not grow and (starts + padded_length).max() > cache.capacity:
         longest = int((starts + np.array([len(r) for r in tokens])).max())
@@ -205,7 +224,6 @@ def _run_prompts(params: Params, cache: Cache, rows: list, *, chunk_size: int | 
             f"prompt of {longest} tokens does not fit the cache capacity {cache.capacity} "
             f"(prefill pads to {int(starts.max()) + padded_length}); allocate a larger cache or shorten the prompt"
         )
-    running, source = _distinct_rows(rows, starts)
     state = cache
     if len(running) < len(rows):  # every cache array is batch-major
         state = tree_map(lambda a: a[mx.array(running)], state)
@@ -215,6 +233,7 @@ def _run_prompts(params: Params, cache: Cache, rows: list, *, chunk_size: int | 
     following = mx.array([tokens[i][1:] + [-1] * (padded_length - len(tokens[i]) + 1) for i in running], mx.int32)
     last_rows = offsets + mx.array([len(tokens[i]) - 1 for i in running], mx.int32)
     kernel = _chunk_kernel(params.spec, top, media is not None)
+    split = split_chunks()
     last_logits, scored = mx.zeros((len(running), vocab), mx.float32), []
     whole = media.whole if media is not None else ()
     for begin, size in chunk_spans(padded_length, sizes, whole):
@@ -225,6 +244,8 @@ def _run_prompts(params: Params, cache: Cache, rows: list, *, chunk_size: int | 
         extra += (following[:, begin : begin + size],) if top else ()
         state, last_logits, *chunk_scores = kernel(params.target, params.draft, state, padded[:, begin : begin + size],
                                                    offsets + begin, offsets, last_rows, last_logits, *extra)
+        if split:  # one chunk's collectives at a time (``split_chunks``)
+            mx.eval(state, last_logits, chunk_scores)
         scored += chunk_scores
     scores = [mx.concatenate(parts, axis=1)[:, : padded_length - 1] for parts in zip(*scored)]  # [] unless top
     if len(running) < len(rows):

@@ -6,7 +6,9 @@ Breaks tried, and the tests that catch them:
   (``Decoder._kept_cache`` without ``min``): its length passes the context,
   test_an_ended_sequence_comes_back_as_one_record;
 - a released sequence's record left out of its last tokens (``Row.cut`` not
-  keeping what it cut): the same test.
+  keeping what it cut): the same test;
+- a batch's prompts padded to one row's smallest chunk (``smallest_chunk()``
+  without the rows): test_rows_prefilled_together_take_smaller_chunks.
 """
 
 import json
@@ -18,7 +20,7 @@ import numpy as np
 import pytest
 
 import dspark_fn
-from dspark_fn import CostCurve, Sampling
+from dspark_fn import CostCurve, Sampling, prefilling
 from dspark_fn.buffers import capacity_for
 from dspark_fn.stats import Tally
 from helpers import (
@@ -70,6 +72,34 @@ def test_batched_greedy_rows_equal_their_single_runs(pair, prompts, width):
     for prompt, row in zip(prompts, batched):
         assert row == speculative_tokens(params, prompt, NEW_TOKENS, width=width, costs=costs)
         assert row == mlx_lm_greedy(model, prompt, NEW_TOKENS)
+
+
+def test_rows_prefilled_together_take_smaller_chunks(pair, monkeypatch):
+    """A chunk's matmuls take rows x chunk tokens, so eight short prompts
+    prefill in chunks of ``LINEAR_PREFILL_CHUNK`` where one alone takes
+    ``smallest_chunk()`` (64 over OpenBLAS: eight rows padded to it cost six
+    times as much); each row's first token is the one it gets alone."""
+    model, params = pair
+    widths, kernel_for = [], prefilling._chunk_kernel
+
+    def counted(*args, **options):
+        kernel = kernel_for(*args, **options)
+
+        def run(target, draft, cache, tokens, *rest):
+            widths.append(tokens.shape)
+            return kernel(target, draft, cache, tokens, *rest)
+
+        return run
+
+    monkeypatch.setattr(prefilling, "_chunk_kernel", counted)
+    rng = np.random.default_rng(4)
+    prompts = [random_prompt(rng, length, CONFIG["vocab_size"]) for length in (5, 9, 3, 12, 7, 2, 8, 11)]
+    _, first = dspark_fn.prefill(params, dspark_fn.init_cache(params, len(prompts), 256), prompts)
+    assert widths == [(8, prefilling.LINEAR_PREFILL_CHUNK)] * 2
+    assert first.tolist() == [mlx_lm_greedy(model, prompt, 1)[0] for prompt in prompts]
+    widths.clear()
+    dspark_fn.prefill(params, dspark_fn.init_cache(params, 1, 256), prompts[0])
+    assert widths == [(1, prefilling.smallest_chunk())]
 
 
 def test_finished_rows_stop_while_the_others_go_on(pair, prompts):

@@ -104,9 +104,9 @@ def test_each_batch_size_traces_once(params):
 
 def test_a_long_prompt_grows_the_cache_as_it_prefills(params):
     """Prompts up to 600 tokens prefilled from a 256-slot cache: chunks of
-    256, 256, 64 and 64 tokens run in caches of 256, 512, 768 and 768 slots
-    (on the bundled BLAS 256, 256 and 8-token chunks; three chunk kernels
-    either way; a batch of four, a shape no other test here uses), and the
+    256, 256, then six of 16 tokens (four rows' smallest chunk; 8 on the
+    bundled BLAS) run in caches of 256, 512 and 768 slots (three chunk
+    kernels; a batch of four, a shape no other test here uses), and the
     result is the prefill into 768 slots from the start in chunks of the
     smallest size: the same first tokens, the cache within the fp32 bound (4 target
     layers and the draft layer; sums over 600 keys)."""
@@ -115,7 +115,7 @@ def test_a_long_prompt_grows_the_cache_as_it_prefills(params):
     grown = []
     new = traces_during(lambda: grown.extend(prefill(params, init_cache(params, 4, 256), prompts, grow=True)))
     assert new == {"prefill": 3}
-    whole, tokens = prefill(params, init_cache(params, 4, 768), prompts, chunk_size=smallest_chunk())
+    whole, tokens = prefill(params, init_cache(params, 4, 768), prompts, chunk_size=smallest_chunk(len(prompts)))
     assert grown[0].capacity == 768 and grown[1].tolist() == tokens.tolist()
     assert grown[0].length.tolist() == whole.length.tolist() == [600, 5, 300, 599]
     for (name, a), (_, b) in zip(tree_flatten((grown[0].target, grown[0].draft)), tree_flatten((whole.target, whole.draft))):

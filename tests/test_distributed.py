@@ -17,7 +17,11 @@ Breaks tried, and what caught them:
   ranks choose different widths and the run hangs until its timeout;
 - a pipeline rank's taps taken from its own stream instead of their owner's
   (``from_owner`` skipped for taps): the draft's proposals, and the taps
-  checked, differ.
+  checked, differ;
+- a prefill's chunks left lazy together on pipeline ranks
+  (``prefilling.split_chunks`` false): the rounds driven from a three-row
+  prefill in chunks of 16 keep the wrong counts (the ranks paired one
+  chunk's collectives with another's).
 """
 
 import json

@@ -13,7 +13,10 @@ Breaks tried, and the tests that catch them:
   ``PromptCache.lookup``): test_a_stored_state_is_reused_only_at_its_length;
 - an idle row's recurrent state settled as if it had committed (``settle``
   given ``accepted + 1`` for every row in ``rounds.verify_and_commit``):
-  test_idle_rows_commit_nothing_recurrent_states_included.
+  test_idle_rows_commit_nothing_recurrent_states_included;
+- prompts sharing a context scored through a cut of it (``score_prompts``
+  taking no account of recurrent states):
+  test_prompts_sharing_a_context_are_scored_whole.
 """
 
 import mlx.core as mx
@@ -21,6 +24,7 @@ import numpy as np
 import pytest
 
 import dspark_fn
+from dspark_fn import prefix_scoring
 from dspark_fn.buffers import capacity_for
 from dspark_fn.kernel import TRACE_COUNTS
 from dspark_fn.serve.engine import PromptCache
@@ -180,3 +184,29 @@ def test_prompt_scores_equal_mlx_lm(pair):
     deepest = max(shape["num_hidden_layers"] for shape in HYBRID_SHAPES.values())
     assert_fp32_close(scored.log_probs[0, : len(prompt) - 1], expected[np.arange(len(prompt) - 1), prompt[1:]],
                       "prompt scores", layers=deepest, reduction=vocab)
+
+
+def test_prompts_sharing_a_context_are_scored_whole(pair, monkeypatch):
+    """``prefix_scoring.score_prompts`` on a recurrent target: two prompts
+    after one long context are each scored whole, in one prefill (no state
+    resumes short of its end), ``known`` is never asked, and their scores
+    are mlx-lm's."""
+    model, params, vocab = pair
+    rng = np.random.default_rng(8)
+    context = random_prompt(rng, prefix_scoring.MIN_SHARED + 8, vocab)
+    prompts = [context + random_prompt(rng, n, vocab) for n in (4, 7)]
+    calls, score = [], prefix_scoring.score_prompt
+
+    def counted(params, cache, rows, **options):
+        calls.append([len(row) for row in rows])
+        return score(params, cache, rows, **options)
+
+    monkeypatch.setattr(prefix_scoring, "score_prompt", counted)
+    rows = prefix_scoring.score_prompts(params, prompts, top=3, known=lambda tokens: pytest.fail("asked for a prefix"))
+    assert calls == [[len(p) for p in prompts]]
+    deepest = max(shape["num_hidden_layers"] for shape in HYBRID_SHAPES.values())
+    for index, (prompt, row) in enumerate(zip(prompts, rows)):
+        logits = model(mx.array([prompt]))[0, :-1].astype(mx.float32)
+        expected = np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+        assert_fp32_close(row.scores.log_probs[0], expected[np.arange(len(prompt) - 1), prompt[1:]],
+                          f"prompt {index}", layers=deepest, reduction=vocab)

@@ -1,17 +1,20 @@
 """The server's prompt cache (``serve.prompt_cache``) on small stand-in
-caches: random stores and lookups against a linear scan over every entry
-(the rule the trie must give the same answers to), the rules one by one,
-and a lookup that walks the prompt without going through the entries."""
+caches: random stores and lookups (of caches, and of scored prompts'
+prefixes) against a linear scan over every entry (the rule the trie must
+give the same answers to), the rules one by one, and a lookup that walks
+the prompt without going through the entries."""
 
 import random
 from collections import OrderedDict
 from typing import NamedTuple
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from dspark_fn.serve import prompt_cache
 from dspark_fn.serve.prompt_cache import PromptCache, descend
+from dspark_fn.types import TokenLogProbs
 
 IMAGE_A, IMAGE_B = (9, "digest-a"), (9, "digest-b")  # image tokens as ``prompt_key`` pairs them
 VOCAB = [0, 1, 2, 3, IMAGE_A, IMAGE_B]
@@ -33,6 +36,13 @@ def fake_cache(tokens, size: int = 10, recurrent: bool = False, length: int | No
                      tuple(tokens[:length]))
 
 
+def fake_scores(tokens) -> TokenLogProbs:
+    """Scores for ``tokens`` (one a token after the first), each telling which entry and position it came from."""
+    count = max(len(tokens) - 1, 0)
+    marks = mx.array([[hash((tuple(tokens), i)) % 256 for i in range(count)]], mx.uint8)  # a byte a token
+    return TokenLogProbs(marks, mx.zeros((1, count, 0), mx.int32), mx.zeros((1, count, 0), mx.float32))
+
+
 def common_prefix(a, b) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
@@ -42,16 +52,18 @@ class LinearPromptCache:
 
     def __init__(self, budget: int, min_tokens: int):
         self.budget, self.min_tokens = budget, min_tokens
-        self.entries: OrderedDict = OrderedDict()  # tokens -> (recurrent, bytes)
+        self.entries: OrderedDict = OrderedDict()  # tokens -> (recurrent, bytes, scores or None)
 
     @property
     def used(self) -> int:
-        return sum(size for _, size in self.entries.values())
+        return sum(size for _, size, _ in self.entries.values())
 
-    def store(self, cache: FakeCache) -> None:
+    def store(self, cache: FakeCache, scores: TokenLogProbs | None = None) -> None:
         if self.budget <= 0 or len(cache.tokens) < self.min_tokens:
             return
-        self.entries[cache.tokens] = (cache.recurrent, int(cache.target[0].nbytes))
+        scores = None if cache.recurrent else scores  # a recurrent prefix never resumes short of its end
+        size = int(cache.target[0].nbytes) + (sum(a.nbytes for a in scores) if scores is not None else 0)
+        self.entries[cache.tokens] = (cache.recurrent, size, scores)
         self.entries.move_to_end(cache.tokens)
         while self.entries and self.used > self.budget:
             self.entries.popitem(last=False)
@@ -59,11 +71,18 @@ class LinearPromptCache:
     def best(self, prompt: list, resumable=None) -> tuple[int, set]:
         """The longest usable prefix and every entry giving it."""
         lengths = {}
-        for tokens, (recurrent, _) in self.entries.items():
+        for tokens, (recurrent, _, _) in self.entries.items():
             length = min(common_prefix(tokens, prompt), len(prompt) - 1)
             length = resumable(length) if resumable is not None else length
             if not (recurrent and length != len(tokens)):
                 lengths[tokens] = length
+        longest = max(lengths.values(), default=0)
+        return longest, {tokens for tokens, length in lengths.items() if length == longest}
+
+    def best_scored(self, prompt: list) -> tuple[int, set]:
+        """The longest prefix a scored entry shares with ``prompt`` short of its last token, and every entry giving it."""
+        lengths = {tokens: min(common_prefix(tokens, prompt), len(prompt) - 1)
+                   for tokens, (_, _, scores) in self.entries.items() if scores is not None}
         longest = max(lengths.values(), default=0)
         return longest, {tokens for tokens, length in lengths.items() if length == longest}
 
@@ -95,23 +114,23 @@ def stored_order(cache: PromptCache) -> list:
 
 
 def check_trie(cache: PromptCache) -> None:
-    """Every node's edge, depth and count of cuttable entries agree with what
+    """Every node's edge, depth and counts of cuttable (and scored) entries agree with what
     hangs below it; a node other than the root holds an entry or branches;
     the nodes holding entries are those in the LRU order, each at its tokens."""
     held = []
 
-    def visit(node, prefix: tuple) -> int:
-        plain = 0
+    def visit(node, prefix: tuple) -> np.ndarray:
+        plain = np.zeros(2, int)  # entries below that can be cut, and those of them holding scores
         if node.entry is not None:
             assert node.entry.cache.tokens == prefix
             held.append(node)
-            plain += not node.entry.recurrent
+            plain += [not node.entry.recurrent, node.entry.scores is not None]
         assert node.parent is None or node.entry is not None or len(node.children) >= 2
         for first, child in node.children.items():
             assert child.edge and child.edge[0] == first and child.parent is node
             assert child.depth == node.depth + len(child.edge)
             plain += visit(child, prefix + child.edge)
-        assert node.plain == plain
+        assert list(node.counts) == plain.tolist()
         return plain
 
     visit(cache.root, ())
@@ -132,8 +151,21 @@ def test_random_stores_and_lookups_answer_as_the_linear_scan(seed):
         if rng.random() < 0.5:
             stored = fake_cache(tokens, size=rng.randint(1, 40), recurrent=rng.random() < recurrent_share,
                                 length=max(0, len(tokens) - rng.choice([0, 0, 1, 3])))
-            cache.store(tokens, stored)
-            reference.store(stored)
+            scores = fake_scores(stored.tokens) if rng.random() < 0.5 else None
+            cache.store(tokens, stored, scores)
+            reference.store(stored, scores)
+        elif rng.random() < 0.3:
+            shared, candidates = reference.best_scored(tokens)
+            found = cache.scored_prefix(tokens)
+            if shared - 1 < max(min_tokens, 1):
+                assert found is None
+                misses += 1
+            else:
+                assert int(found.cache.length[0]) == shared - 1 and found.cache.tokens in candidates
+                expected = reference.entries[found.cache.tokens][2]
+                assert found.scores.log_probs.tolist() == expected.log_probs[:, : shared - 1].tolist()
+                reference.entries.move_to_end(found.cache.tokens)
+                hits += 1
         else:
             resumable = image_cuts(random_image_ranges(rng, len(tokens))) if rng.random() < 0.5 else None
             length, candidates = reference.best(tokens, resumable)

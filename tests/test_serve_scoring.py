@@ -33,7 +33,10 @@ Breaks tried (each in a copy of the tree), and the tests that catch them:
   (``row_cache(cache, row, len(prompt) - 1)``): the same test finds no
   entry under the whole prompt;
 - a failed prefill ending only its first request with an error (the others
-  never hear): test_a_failed_scoring_prefill_ends_each_of_its_requests.
+  never hear): test_a_failed_scoring_prefill_ends_each_of_its_requests;
+- no prompt-cache lookup for scored prompts (``known`` not passed), or no
+  scores kept with them: the hits counted in
+  test_choices_after_one_context_score_it_once_and_later_ones_reuse_it.
 """
 
 import queue
@@ -45,8 +48,9 @@ import pytest
 import dspark_fn
 from dspark_fn.buffers import capacity_for
 from dspark_fn.driver import TOP_LOG_PROBS
+from dspark_fn.prefix_scoring import MIN_SHARED
 from dspark_fn.sampling import GREEDY, Sampling
-from dspark_fn.serve import engine as engine_module
+from dspark_fn import prefix_scoring
 from dspark_fn.serve.engine import Engine, Request
 from helpers import mlx_lm_greedy, random_prompt
 from numerics import assert_fp32_close
@@ -138,13 +142,13 @@ def engine(pair):  # noqa: F811
 @pytest.fixture
 def prefills(monkeypatch):
     """The rows of each scoring prefill the engine runs, call by call."""
-    rows, score = [], engine_module.score_prompt
+    rows, score = [], prefix_scoring.score_prompt
 
     def counted(params, cache, prompts, **options):
         rows.append(len(prompts))
         return score(params, cache, prompts, **options)
 
-    monkeypatch.setattr(engine_module, "score_prompt", counted)
+    monkeypatch.setattr(prefix_scoring, "score_prompt", counted)
     return rows
 
 
@@ -206,6 +210,27 @@ def test_each_scored_prompt_is_kept_for_a_later_turn(pair, engine):  # noqa: F81
         assert got.tokens == mlx_lm_greedy(model, follow_up, 6)
 
 
+def test_choices_after_one_context_score_it_once_and_later_ones_reuse_it(pair, engine, prefills):  # noqa: F811
+    """An evaluation harness's question: four choices after one long
+    context, in one pass. The context is scored once, first (one row), then
+    the four choices (four rows), each as scoring it alone scores it; a
+    fifth choice later reads the context from the prompt cache, with its
+    scores, and scores only its own tokens."""
+    params = pair[1]
+    rng = np.random.default_rng(25)
+    context = random_prompt(rng, MIN_SHARED + 30, VOCAB)
+    prompts = [context + random_prompt(rng, n, VOCAB) for n in (2, 3, 5, 8)]
+    answers = answered(submitted_together(engine, [scoring(p) for p in prompts]))
+    assert prefills == [1, len(prompts)]
+    for index, (prompt, got) in enumerate(zip(prompts, answers)):
+        check_prompt_scores(got, scored_alone(params, prompt), f"choice {index}")
+    hits = engine.prompt_cache.hits
+    later = context + random_prompt(rng, 4, VOCAB)
+    (got,) = answered(submitted_together(engine, [scoring(later)]))
+    assert engine.prompt_cache.hits == hits + 1 and prefills == [1, len(prompts), 1]
+    check_prompt_scores(got, scored_alone(params, later), "a later choice")
+
+
 def test_a_failed_scoring_prefill_ends_each_of_its_requests(pair, engine, monkeypatch):  # noqa: F811
     """A scoring prefill that raises ends every request of it with the
     error (none is left waiting), and the engine, started again, scores
@@ -216,7 +241,7 @@ def test_a_failed_scoring_prefill_ends_each_of_its_requests(pair, engine, monkey
     def failing(*args, **options):
         raise RuntimeError("the scoring prefill failed")
 
-    monkeypatch.setattr(engine_module, "score_prompt", failing)
+    monkeypatch.setattr(prefix_scoring, "score_prompt", failing)
     requests = submitted_together(engine, [scoring(p, max_tokens) for p, max_tokens in zip(prompts, (0, 1, 0))])
     try:
         finishes = [answer(request).finish for request in requests]

@@ -29,16 +29,19 @@ same state, so all take the same decisions and run the same kernels;
 
 A request that asked for its prompt's scores (``score_prompt``) is
 prefilled in a cache of its own, every prompt position scored
-(``prefilling.score_prompt``), before it takes a row; nothing of it comes
-from the prompt cache, whose prefix positions would go unscored. One that
-needs nothing past that prefill (no new token, or only the one the prefill
-gives) never takes a row: such requests are answered between rounds, up to
-``max_batch`` a pass, while the batch goes on, and the scored prompts of
-one pass are prefilled together, one row each (an evaluation harness sends
-many at once; an image prompt still goes alone). Each row keeps its
-request's sampling settings and the seed a cache of its own would give it,
-so a request scored beside others gets its scores alone (up to float
-rounding) and its own seed's draw; each row's cache is kept for a later turn.
+(``prefix_scoring.score_prompts``), before it takes a row. A prefix is
+reused for it only with its positions' scores: each scored prompt is kept
+in the prompt cache with its scores, and a later scored prompt sharing a
+beginning with it scores only the rest. One that needs nothing past that
+prefill (no new token, or only the one the prefill gives) never takes a
+row: such requests are answered between rounds, up to ``max_batch`` a
+pass, while the batch goes on, and the scored prompts of one pass are
+prefilled together, one row each, a beginning several of them share scored
+once first (an evaluation harness sends many at once, the choices of a
+question after one context; an image prompt still goes alone). Each row
+keeps its request's sampling settings and the seed a cache of its own would
+give it, so a request scored beside others gets its scores alone (up to
+float rounding) and its own seed's draw.
 
 The queue is bounded: past ``max_queue`` requests waiting (arrived, not yet
 in a row) ``submit`` refuses with ``QueueFull``, and a request that has
@@ -65,13 +68,11 @@ from typing import NamedTuple
 
 import mlx.core as mx
 
-from ..buffers import capacity_for, init_cache, row_cache
 from ..checkpoints import materialised
 from ..constraints import Constraint, Grammar
 from ..driver import TOP_LOG_PROBS, Decoder, token_scores
 from ..kernel import TRACE_COUNTS
-from ..prefilling import score_prompt
-from ..rng import row_seeds
+from ..prefix_scoring import ScoredRow, score_prompts
 from ..sampling import GREEDY, Sampling
 from ..stats import Tally
 from ..threads import run_parked
@@ -205,23 +206,14 @@ def scoring_batches(requests: list) -> list[list]:
     return ([texts] if texts else []) + [[r] for r in requests if isinstance(r.prompt, ImagePrompt)]
 
 
-def request_seeds(requests: list) -> mx.array:
-    """Each request's row seed, the one a cache of its own gives it
-    (``init_cache(..., seed=request.seed)``), not its place in the batch's:
-    rows draw from their seed and own length only (``rng``), so a request's
-    first token is the same draw whatever batch scores it."""
-    return mx.concatenate([row_seeds(request.seed, 1) for request in requests])
-
-
-def scored_rows(requests: list, first, first_scored: TokenLogProbs, prompt_scored: TokenLogProbs) -> list:
-    """A ``ScoredPrompt`` per request, row ``b`` of ``score_prompt``'s results
-    for ``requests[b]``: its prompt's ``len - 1`` scores (the rest is
-    padding) and its first token's, each with its own number of alternatives."""
-    rows, tops = list(range(len(requests))), [request.top_log_probs for request in requests]
-    prompts = token_scores(prompt_scored, rows, [len(request.prompt) - 1 for request in requests], tops)
-    firsts = token_scores(TokenLogProbs(*(a[:, None] for a in first_scored)), rows, [1] * len(rows), tops)
-    return [ScoredPrompt(scores, token, None if score is None else score[0])
-            for scores, token, score in zip(prompts, first.tolist(), firsts)]
+def scored_answer(request, row: ScoredRow) -> ScoredPrompt:
+    """What ``request`` is told of its scored prompt ``row``: its prompt's
+    ``len - 1`` scores and its first token's, with as many alternatives as
+    it asked for."""
+    top = request.top_log_probs
+    (scores,) = token_scores(row.scores, [0], [len(request.prompt) - 1], [top])
+    (first,) = token_scores(TokenLogProbs(*(a[:, None] for a in row.first_scored)), [0], [1], [top])
+    return ScoredPrompt(scores, row.first, None if first is None else first[0])
 
 
 def running_batch(requests: int, max_batch: int) -> int:
@@ -461,11 +453,11 @@ class Engine:
                 self.decoder.planner.reset()
             self.running[request.number] = request  # in the batch from here: a failure ends it too
             self.prompt_tokens += len(request.prompt)
-            if request.score_prompt:  # its prompt scored at every position: nothing of it comes from the cache
-                scored, (answer,) = self._score([request])  # the row goes on from it, all but the last token
+            if request.score_prompt:  # its prompt scored at every position, reusing only scored prefixes
+                (scored,) = self._score([request])  # the row goes on from it, all but the last token
                 # (prefilled again for the first new one): a recurrent state holds only after every token, so not there
-                request.events.put(Update("prompt", None, answer.scores))
-                prefix = None if scored.recurrent else scored._replace(
+                request.events.put(Update("prompt", None, scored_answer(request, scored).scores))
+                prefix = None if scored.cache.recurrent else scored.cache._replace(
                     length=mx.array([len(request.prompt) - 1], mx.int32))
             else:
                 images = isinstance(request.prompt, ImagePrompt)
@@ -507,17 +499,15 @@ class Engine:
             self._answer_scored(requests)
 
     def _answer_scored(self, requests: list) -> None:
-        """Score ``requests``' prompts in one prefill and keep each row's cache
-        under its prompt, then tell each request its answer. They are in no
-        batch, so the engine's own failure handling would not reach them: a
-        failure ends each with its message here, then goes on to the engine's
-        (requests of a later prefill stay waiting, served once it runs again)."""
+        """Score ``requests``' prompts together (``_score``), then tell each
+        request its answer. They are in no batch, so the engine's own failure
+        handling would not reach them: a failure ends each with its message
+        here, then goes on to the engine's (requests of a later prefill stay
+        waiting, served once it runs again)."""
         for request in requests:
             self.waiting.remove(request)
         try:
-            cache, answers = self._score(requests)
-            for row, request in enumerate(requests):
-                self.prompt_cache.store(prompt_key(request.prompt), row_cache(cache, row, len(request.prompt)))
+            answers = [scored_answer(request, row) for request, row in zip(requests, self._score(requests))]
         except Exception as error:
             for request in requests:
                 request.events.put(Update("error", f"{type(error).__name__}: {error}"))
@@ -533,16 +523,19 @@ class Engine:
             outbox.append((request, Update("done", "stop" if stopped else "length")))
         self._send(outbox)
 
-    def _score(self, requests: list) -> tuple:
+    def _score(self, requests: list) -> list[ScoredRow]:
         """Prefill ``requests``' prompts together, one row each, in a cache of
-        their own, scoring every position: ``(the cache, a ScoredPrompt per
-        request)``. Each row takes its request's sampling settings and seed
-        (``request_seeds``): a sampled first token is its own seed's draw."""
-        cache = init_cache(self.params, len(requests), capacity_for(1))._replace(seeds=request_seeds(requests))
-        cache, first, first_scored, prompt_scored = score_prompt(
-            self.params, cache, [request.prompt for request in requests], top=TOP_LOG_PROBS,
-            sampling=[request.sampling for request in requests], grow=True)
-        return cache, scored_rows(requests, first, first_scored, prompt_scored)
+        their own, scoring every position; the prompt cache's scored prompts
+        give the beginnings they share, and each prompt scored (a beginning
+        several share included) is kept there with its scores. Each row takes
+        its request's sampling settings and the seed a cache of its own would
+        give it (rows draw from their seed and own length only: ``rng``), so
+        a sampled first token is the same draw whatever batch scores it."""
+        return score_prompts(
+            self.params, [request.prompt for request in requests], top=TOP_LOG_PROBS,
+            sampling=[request.sampling for request in requests], seeds=[request.seed for request in requests],
+            known=self.prompt_cache.scored_prefix,
+            keep=lambda prompt, cache, scores: self.prompt_cache.store(prompt_key(prompt), cache, scores))
 
     def _deliver(self, step) -> None:
         """Hand each request its new tokens (cut by the decoder at its stop

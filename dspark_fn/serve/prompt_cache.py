@@ -30,28 +30,47 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from ..cache import Cache
+from ..prefix_scoring import ScoredPrefix, scored_prefix
+from ..types import TokenLogProbs
 
 
 class Entry(NamedTuple):
     cache: Cache
-    size: int  # bytes of its buffers
+    size: int  # bytes of its buffers (and scores)
     recurrent: bool  # its states hold after all its tokens only: reusable whole or not at all
+    scores: TokenLogProbs | None = None  # [1, tokens - 1] each token's after the first, where it was scored
+
+    @property
+    def scored(self) -> bool:
+        return self.scores is not None
+
+
+PLAIN, SCORED = 0, 1  # the kinds of entry a node counts under it (``counted``)
+
+
+def counted(entry) -> tuple[int, int]:
+    """What ``entry`` adds to the counts of the nodes above it: whether it
+    can be cut to any length (no recurrent states), and whether it can be
+    and also holds its tokens' scores (a scored prompt's)."""
+    plain = not entry.recurrent
+    return int(plain), int(plain and entry.scored)
 
 
 class Node:
     """A trie node: the tokens it adds to its parent's prefix (``edge``),
     the prefix's length (``depth``), its children by their edge's first
     token, the entry whose tokens end here (or None), and how many entries
-    under it (itself included) can be cut to any length (``plain``)."""
+    under it (itself included) are of each kind ``counted`` tells apart
+    (``counts[PLAIN]``, ``counts[SCORED]``)."""
 
-    __slots__ = ("edge", "depth", "parent", "children", "entry", "plain")
+    __slots__ = ("edge", "depth", "parent", "children", "entry", "counts")
 
     def __init__(self, edge: tuple = (), parent: "Node | None" = None):
         self.edge, self.parent = edge, parent
         self.depth = len(edge) + (parent.depth if parent is not None else 0)
         self.children: dict = {}
         self.entry: Entry | None = None
-        self.plain = 0
+        self.counts = [0, 0]
 
 
 def shared_length(edge: tuple, key: tuple, start: int) -> int:
@@ -82,7 +101,7 @@ def split(node: Node, at: int) -> Node:
     its parent, holding the first part, is returned. ``node`` itself stays
     (with its entry, which refers to it) below."""
     upper = Node(node.edge[:at], node.parent)
-    upper.plain = node.plain
+    upper.counts = list(node.counts)
     node.parent.children[upper.edge[0]] = upper
     node.edge, node.parent = node.edge[at:], upper
     upper.children[node.edge[0]] = node
@@ -118,10 +137,10 @@ def prune(node: Node) -> None:
         node.parent.children[node.edge[0]] = child
 
 
-def recount(node: Node, plain: int) -> None:
-    """Add ``plain`` to the count of cuttable entries of ``node`` and all above it."""
+def recount(node: Node, change: tuple[int, int]) -> None:
+    """Add ``change`` (``counted``, or its negation) to the counts of ``node`` and all above it."""
     while node is not None:
-        node.plain += plain
+        node.counts = [count + step for count, step in zip(node.counts, change)]
         node = node.parent
 
 
@@ -134,13 +153,13 @@ def tokens_of(node: Node) -> tuple:
     return tuple(token for edge in reversed(edges) for token in edge)
 
 
-def first_plain(node: Node) -> Node:
-    """The node of an entry without recurrent states under ``node`` (itself
-    first, then the first child holding one, down): any serves, all sharing
-    the prefix that led to ``node``; this one keeps the choice repeatable.
-    Children passed over hold only recurrent entries."""
-    while node.entry is None or node.entry.recurrent:
-        node = next(child for child in node.children.values() if child.plain)
+def first_counted(node: Node, kind: int) -> Node:
+    """The node of an entry of ``kind`` (``PLAIN`` or ``SCORED``) under
+    ``node`` (itself first, then the first child holding one, down): any
+    serves, all sharing the prefix that led to ``node``; this one keeps the
+    choice repeatable."""
+    while node.entry is None or not counted(node.entry)[kind]:
+        node = next(child for child in node.children.values() if child.counts[kind])
     return node
 
 
@@ -153,7 +172,9 @@ class PrefixTrie:
     used order, their bytes summed. An entry is any record with a ``size``
     and a ``recurrent`` flag: the prompt cache keeps caches in one
     (``PromptCache``) and its disk tier the files on disk in another
-    (``prompt_disk.DiskTier``); the rules of reuse are the same for both."""
+    (``prompt_disk.DiskTier``); the rules of reuse are the same for both.
+    An entry with ``scored`` true holds its tokens' scores too: a scored
+    prompt reuses only those (``longest_scored``)."""
 
     def __init__(self):
         self.root = Node()
@@ -176,7 +197,7 @@ class PrefixTrie:
             self._release(node)
             del self.lru[node]
         node.entry = entry
-        recount(node, int(not entry.recurrent))
+        recount(node, counted(entry))
         self.used += entry.size
         self.lru[node] = None
         return node
@@ -189,7 +210,7 @@ class PrefixTrie:
 
     def _release(self, node: Node) -> None:
         """Take ``node``'s entry out of the counts and the bytes."""
-        recount(node, -int(not node.entry.recurrent))
+        recount(node, tuple(-count for count in counted(node.entry)))
         self.used -= node.entry.size
         node.entry = None
 
@@ -207,10 +228,10 @@ class PrefixTrie:
         resume = resumable if resumable is not None else unchanged
         path = descend(self.root, tuple(prompt[: len(prompt) - 1]))
         length, holder = 0, None
-        cuttable = [(node, reach) for node, reach in path if node.plain]
+        cuttable = [(node, reach) for node, reach in path if node.counts[PLAIN]]
         if cuttable:  # the deepest such node: its entries share the most with the prompt
             node, reach = cuttable[-1]
-            length, holder = resume(reach), first_plain(node)
+            length, holder = resume(reach), first_counted(node, PLAIN)
         for node, reach in reversed(path):  # deepest first: the first whole recurrent entry is the longest
             if reach <= length:
                 break
@@ -219,6 +240,17 @@ class PrefixTrie:
                 length, holder = reach, node
                 break
         return length, holder
+
+    def longest_scored(self, prompt: list) -> tuple[int, Node | None]:
+        """``(length, node)``: the longest prefix of ``prompt``, short of its
+        last token, that a scored entry shares, and that entry's node (0 and
+        None where none shares any). Nothing is marked used."""
+        path = descend(self.root, tuple(prompt[: len(prompt) - 1]))
+        scored = [(node, reach) for node, reach in path if node.counts[SCORED]]
+        if not scored:
+            return 0, None
+        node, reach = scored[-1]
+        return reach, first_counted(node, SCORED)
 
 
 class PromptCache(PrefixTrie):
@@ -249,16 +281,21 @@ class PromptCache(PrefixTrie):
         the disk tier's files stay: each is checked again when loaded)."""
         super().clear()
 
-    def store(self, tokens: list, cache: Cache) -> None:
+    def store(self, tokens: list, cache: Cache, scores: TokenLogProbs | None = None) -> None:
         """Keep a one-row ``cache`` in buffers of its own (``buffers.row_cache``)
         under the leading tokens of ``tokens`` it holds (its length), in place
-        of any cache stored under the same tokens."""
+        of any cache stored under the same tokens; with a scored prompt's
+        ``scores`` (``[1, length - 1]``), which a later scored prompt reuses
+        (``scored_prefix``; not kept with recurrent states: those prefixes
+        never resume short of their end)."""
         tokens = tuple(tokens[: int(cache.length[0])])
         if self.budget <= 0 or len(tokens) < self.min_tokens:
             return
-        mx.eval(cache)  # the running batch's buffers stay free to update in place
-        size = sum(a.nbytes for _, a in tree_flatten((cache.target, cache.draft)))
-        self.put(tokens, Entry(cache, size, cache.recurrent))
+        scores = None if cache.recurrent else scores
+        kept = (cache.target, cache.draft) + ((scores,) if scores is not None else ())
+        mx.eval(kept)  # the running batch's buffers stay free to update in place
+        size = sum(a.nbytes for _, a in tree_flatten(kept))
+        self.put(tokens, Entry(cache, size, cache.recurrent, scores))
         while self.lru and self.used > self.budget:
             self._evict(self.oldest())
 
@@ -292,6 +329,19 @@ class PromptCache(PrefixTrie):
         self.hits += 1
         self.lru.move_to_end(holder)
         return holder.entry.cache._replace(length=mx.array([length], mx.int32))
+
+    def scored_prefix(self, prompt: list) -> ScoredPrefix | None:
+        """The longest beginning of ``prompt`` a kept scored prompt shares, as
+        a ``ScoredPrefix`` (its positions but the last shared one, and their
+        scores), or None where it saves fewer than ``min_tokens``. Files on
+        disk hold no scores: only entries in memory serve."""
+        shared, holder = self.longest_scored(prompt)
+        if shared - 1 < max(self.min_tokens, 1):
+            self.misses += 1
+            return None
+        self.hits += 1
+        self.lru.move_to_end(holder)
+        return scored_prefix(holder.entry.cache, holder.entry.scores, shared)
 
     def _load(self, prompt: list, resumable, beaten: int) -> Cache | None:
         """The disk tier's cache for the longest prefix of ``prompt`` it holds

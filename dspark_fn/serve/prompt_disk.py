@@ -59,6 +59,7 @@ class Shelved(NamedTuple):
     name: str
     size: int  # bytes of the file
     recurrent: bool  # its cache holds recurrent states: it serves only prompts that start with all its tokens
+    scored = False  # a file holds no scores: no scored prompt reuses it
 
 
 def pair_digest(pair: dict) -> str:
