@@ -34,6 +34,8 @@ Breaks tried (each in a copy of the tree), and the tests that catch them:
   entry under the whole prompt;
 - a failed prefill ending only its first request with an error (the others
   never hear): test_a_failed_scoring_prefill_ends_each_of_its_requests;
+- rowless requests past a pass's share given rows (``_admit`` taking any
+  waiting request): test_scoring_requests_past_a_pass_wait_for_the_next_never_a_row;
 - no prompt-cache lookup for scored prompts (``known`` not passed), or no
   scores kept with them: the hits counted in
   test_choices_after_one_context_score_it_once_and_later_ones_reuse_it.
@@ -229,6 +231,22 @@ def test_choices_after_one_context_score_it_once_and_later_ones_reuse_it(pair, e
     (got,) = answered(submitted_together(engine, [scoring(later)]))
     assert engine.prompt_cache.hits == hits + 1 and prefills == [1, len(prompts), 1]
     check_prompt_scores(got, scored_alone(params, later), "a later choice")
+
+
+def test_scoring_requests_past_a_pass_wait_for_the_next_never_a_row(pair, engine, prefills, monkeypatch):  # noqa: F811
+    """Six requests that need no row (``max_tokens`` 1) at once, with four
+    a pass: four scored in one prefill, the other two in the next, none
+    ever given a row of the batch (which would score it alone, then
+    prefill its last token again); each first token as scoring it alone."""
+    params = pair[1]
+    rng = np.random.default_rng(26)
+    prompts = [random_prompt(rng, length, VOCAB) for length in (7, 11, 19, 23, 29, 31)]
+    inserted = []
+    monkeypatch.setattr(engine.decoder, "insert", lambda *args, **options: inserted.append(args))
+    answers = answered(submitted_together(engine, [scoring(p, 1) for p in prompts]))
+    assert prefills == [engine.max_batch, len(prompts) - engine.max_batch] and inserted == []
+    for index, (prompt, got) in enumerate(zip(prompts, answers)):
+        assert got.tokens == [scored_alone(params, prompt).first], f"request {index}"
 
 
 def test_a_failed_scoring_prefill_ends_each_of_its_requests(pair, engine, monkeypatch):  # noqa: F811

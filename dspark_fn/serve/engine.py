@@ -443,9 +443,14 @@ class Engine:
             self.decoder.resize(wanted)
 
     def _admit(self) -> None:
+        """Answer rowless requests (``_answer_rowless``), then give free rows
+        to the others in order of arrival; rowless ones past this pass's
+        share wait for the next pass, never a row (a row would score the
+        prompt alone, then prefill its last token again to give the token
+        the scoring prefill already gave)."""
         self._answer_rowless()
-        while self.decoder.free and self.waiting:
-            request = self.waiting.popleft()
+        while self.decoder.free and (request := next((r for r in self.waiting if not r.rowless), None)):
+            self.waiting.remove(request)
             if request.dropped:
                 request.events.put(Update("done", "cancelled"))
                 continue
