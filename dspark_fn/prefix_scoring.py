@@ -110,9 +110,9 @@ def score_prompts(params: Params, prompts: list, *, top: int, sampling=GREEDY, s
     worth = {i: tuple(prompts[i][:shared]) for i, shared in enumerate(beginnings)
              if cuttable[i] and shared - (prefixes[i].cache.length.item() if prefixes[i] else 0) >= MIN_SHARED}
     if worth:
-        firsts = list(dict.fromkeys(worth.values()))
-        for beginning, row in zip(firsts, score_prompts(params, [list(b) for b in firsts], top=top, known=known,
-                                                         keep=keep)):
+        beginnings_first = list(dict.fromkeys(worth.values()))
+        for beginning, row in zip(beginnings_first, score_prompts(params, [list(b) for b in beginnings_first],
+                                                                  top=top, known=known, keep=keep)):
             for i in (i for i, b in worth.items() if b == beginning):
                 prefixes[i] = scored_prefix(row.cache, row.scores, len(beginning))
     cache = batch_of(params, prefixes, seeds)
