@@ -34,6 +34,12 @@ def init_cache(params: Params, batch_size: int, capacity: int, seed: int = 0) ->
     )
 
 
+def holds_recurrent_states(params: Params) -> bool:
+    """Whether the pair's caches keep recurrent states (a hybrid target):
+    all of them do, or none, so an empty one tells."""
+    return init_cache(params, 1, capacity_for(1)).recurrent
+
+
 def capacity_for(slots: int) -> int:
     """The capacity bucket holding ``slots`` positions: a multiple of a quarter
     of the power of two below it (and of ``CAPACITY_BUCKET``), so buckets waste

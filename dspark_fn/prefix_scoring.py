@@ -26,7 +26,7 @@ from typing import Callable, NamedTuple, Sequence
 import mlx.core as mx
 from mlx.utils import tree_map
 
-from .buffers import capacity_for, grow_cache, init_cache, row_cache
+from .buffers import capacity_for, grow_cache, holds_recurrent_states, init_cache, row_cache
 from .cache import Cache
 from .prefilling import PREFILL_CHUNK, score_prompt
 from .rng import row_seeds
@@ -68,9 +68,12 @@ def scored_prefix(cache: Cache, scores: TokenLogProbs, shared: int) -> ScoredPre
     return ScoredPrefix(cache._replace(length=mx.array([shared - 1], mx.int32)), cut_scores(scores, shared - 1))
 
 
-def common_length(a: Sequence, b: Sequence) -> int:
-    """How many leading tokens ``a`` and ``b`` share."""
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+def common_length(a: tuple, b: tuple) -> int:
+    """How many leading tokens ``a`` and ``b`` (tuples both) share."""
+    span = min(len(a), len(b))
+    if a[:span] == b[:span]:  # the usual case for prompts that share a beginning, compared in one C call
+        return span
+    return next(i for i in range(span) if a[i] != b[i])
 
 
 def shared_beginnings(prompts: Sequence[tuple]) -> list[int]:
@@ -103,7 +106,7 @@ def score_prompts(params: Params, prompts: list, *, top: int, sampling=GREEDY, s
     (or None); ``keep(tokens, cache, scores)`` is told each prompt scored,
     the shared beginnings scored on their way included."""
     seeds = list(seeds) or [0] * len(prompts)
-    recurrent = init_cache(params, 1, capacity_for(1)).recurrent
+    recurrent = holds_recurrent_states(params)
     cuttable = [not recurrent and not isinstance(p, ImagePrompt) for p in prompts]
     prefixes = [known(p) if known is not None and ok else None for p, ok in zip(prompts, cuttable)]
     beginnings = shared_beginnings([tuple(p) if ok else () for p, ok in zip(prompts, cuttable)])

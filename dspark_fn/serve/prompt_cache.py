@@ -30,7 +30,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from ..cache import Cache
-from ..prefix_scoring import ScoredPrefix, scored_prefix
+from ..prefix_scoring import ScoredPrefix, common_length, scored_prefix
 from ..types import TokenLogProbs
 
 
@@ -75,10 +75,7 @@ class Node:
 
 def shared_length(edge: tuple, key: tuple, start: int) -> int:
     """How many leading tokens of ``edge`` ``key`` repeats from ``start`` on."""
-    span = min(len(edge), len(key) - start)
-    if key[start : start + span] == edge[:span]:  # the usual case, compared in one C call
-        return span
-    return next(i for i in range(span) if edge[i] != key[start + i])
+    return common_length(edge, key[start : start + len(edge)])
 
 
 def descend(root: Node, key: tuple) -> list[tuple[Node, int]]:

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from ..atomic import TEMPORARY
-from ..buffers import capacity_for, init_cache
+from ..buffers import holds_recurrent_states
 from ..cache import Cache
 from ..prompt_files import check_pair, load_prompt_cache, pair_fields, read_fields, save_prompt_cache
 from ..types import Params
@@ -94,7 +94,7 @@ class DiskTier:
         self.directory.mkdir(parents=True, exist_ok=True)
         self.pair = pair_fields(params)
         self.prefix = pair_digest(self.pair)
-        self.recurrent = init_cache(params, 1, capacity_for(1)).recurrent  # a pair's caches all hold them, or none
+        self.recurrent = holds_recurrent_states(params)
         self.index = PrefixTrie()  # this pair's files by their tokens
         self.nodes: dict[str, Node] = {}  # a file's name -> its node in the index
         self.others: dict[str, int] = {}  # other pairs' files -> their bytes, least recently used first
