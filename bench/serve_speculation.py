@@ -6,7 +6,9 @@ loaded at once on the same weights (the embedded SmolLM2-135M-Instruct and
 its draft), the phases alternating: 1, 4 and 8 concurrent clients, each
 sending REQUESTS streaming greedy chat requests (bundled chat and word
 problems, TOKENS tokens at most). Reports each phase's aggregate tokens/s,
-medians over REPEATS, and the ratio.
+medians over REPEATS, the ratio of the medians, and the median of each
+repeat's own ratio (its two phases ran back to back, so a drift in the
+machine's speed over minutes cancels there).
 
     python bench/serve_speculation.py     # REQUESTS=2 TOKENS=64 CLIENTS=1,4,8 REPEATS=3
 """
@@ -61,11 +63,12 @@ def main() -> None:
                 process.terminate()
                 process.wait()
     print(f"\n{REQUESTS} streaming greedy requests a client, {TOKENS} tokens at most, medians of {REPEATS}\n")
-    print("| clients | default tokens/s | --width 1 tokens/s | default / --width 1 |")
-    print("|---|---|---|---|")
+    print("| clients | default tokens/s | --width 1 tokens/s | default / --width 1 | median of each repeat's ratio |")
+    print("|---|---|---|---|---|")
     for clients in CLIENTS:
         default, plain = (statistics.median(aggregate[name, clients]) for name in ENGINES)
-        print(f"| {clients} | {default:.1f} | {plain:.1f} | {default / plain:.2f}x |")
+        paired = statistics.median(a / b for a, b in zip(*(aggregate[name, clients] for name in ENGINES)))
+        print(f"| {clients} | {default:.1f} | {plain:.1f} | {default / plain:.2f}x | {paired:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ thread traces again.
 """
 
 import itertools
+import threading
 from collections import Counter
 from typing import Callable
 
@@ -73,18 +74,23 @@ def signature(plain) -> tuple:
 def compiled(name: str, fn: Callable) -> Callable:
     """``fn`` compiled, taking its arguments as records; each trace adds one
     to ``TRACE_COUNTS[name]`` and its record to ``TRACES``."""
-    arguments, number = {}, next(_kernel_numbers)
+    number, calling = next(_kernel_numbers), threading.local()
 
     def traced(*plain):
         TRACE_COUNTS[name] += 1
         TRACES.append((name, number, signature(plain)))
-        return fn(*_rebuilt(arguments["skeleton"], plain))
+        return fn(*_rebuilt(_skeleton(calling.args), plain))
 
     kernel = mx.compile(traced)
 
     def call(*args):
         note_decoding_thread()  # its kernels are released when it ends: the exit waits for that (threads.py)
-        arguments["skeleton"] = _skeleton(args)
-        return kernel(*_plain(args))
+        # The records' types are read only when MLX traces (walking the parameters on every call costs
+        # milliseconds a round); the arguments are held for the call alone, so no cache outlives it.
+        calling.args = args
+        try:
+            return kernel(*_plain(args))
+        finally:
+            calling.args = None
 
     return call

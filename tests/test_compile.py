@@ -1,5 +1,8 @@
 """Compile-first, proven: kernels trace once per (pair, width, capacity bucket), not per round or prompt."""
 
+from typing import NamedTuple
+
+import mlx.core as mx
 import numpy as np
 import pytest
 
@@ -7,6 +10,7 @@ from mlx.utils import tree_flatten
 
 import dspark_fn
 from dspark_fn.buffers import capacity_for, init_cache
+from dspark_fn import kernel as kernel_module
 from dspark_fn.kernel import TRACE_COUNTS
 from dspark_fn.prefilling import prefill, smallest_chunk
 from dspark_fn.schedule import CostCurve
@@ -29,6 +33,36 @@ def traces_during(fn):
     before = TRACE_COUNTS.copy()
     fn()
     return {k: TRACE_COUNTS[k] - before[k] for k in TRACE_COUNTS if TRACE_COUNTS[k] != before[k]}
+
+
+class Pair(NamedTuple):
+    first: mx.array
+    second: dict
+
+
+def test_a_kernel_reads_its_records_types_only_when_it_traces(monkeypatch):
+    """Records cross a kernel's boundary as plain tuples and are rebuilt
+    inside in their own types; those types are read when MLX traces, not
+    on every call (walking the parameters each call costs a round time)."""
+    walks = []
+    skeleton = kernel_module._skeleton
+    def counted(tree):  # recursive: only the walks from a call's arguments count
+        if type(tree) is tuple and tree and isinstance(tree[0], Pair):
+            walks.append(tree)
+        return skeleton(tree)
+
+    monkeypatch.setattr(kernel_module, "_skeleton", counted)
+
+    def swap(pair: Pair) -> Pair:
+        assert isinstance(pair, Pair)  # rebuilt in its own type inside the trace
+        return Pair(pair.second["x"], {"x": pair.first})
+
+    kernel = kernel_module.compiled("test swap", swap)
+    pair = Pair(mx.zeros((2,)), {"x": mx.ones((2,))})
+    new = traces_during(lambda: [kernel(pair) for _ in range(3)])
+    assert new == {"test swap": 1} and len(walks) == 1
+    swapped = kernel(Pair(mx.zeros((3,)), {"x": mx.ones((3,))}))  # a new shape: a new trace reads them again
+    assert isinstance(swapped, Pair) and swapped.first.tolist() == [1, 1, 1] and len(walks) == 2
 
 
 def test_capacity_buckets():

@@ -454,7 +454,10 @@ class Engine:
             if request.dropped:
                 request.events.put(Update("done", "cancelled"))
                 continue
-            if not self.running:  # alone in the batch: start from a fresh planner, so runs repeat
+            if not self.running and not request.sampling.greedy:
+                # Sampled and alone in the batch: a fresh planner, so its seeded samples repeat. A greedy answer
+                # is the target's whatever the planner decides, so the rates measured so far carry on (relearned
+                # per request, every request would pay again for drafting and wide verifies that do not pay).
                 self.decoder.planner.reset()
             self.running[request.number] = request  # in the batch from here: a failure ends it too
             self.prompt_tokens += len(request.prompt)
