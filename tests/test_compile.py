@@ -46,6 +46,7 @@ def test_a_kernel_reads_its_records_types_only_when_it_traces(monkeypatch):
     on every call (walking the parameters each call costs a round time)."""
     walks = []
     skeleton = kernel_module._skeleton
+
     def counted(tree):  # recursive: only the walks from a call's arguments count
         if type(tree) is tuple and tree and isinstance(tree[0], Pair):
             walks.append(tree)

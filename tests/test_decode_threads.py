@@ -24,7 +24,7 @@ from dspark_fn.catalog import load_named
 from dspark_fn.kernel import TRACE_COUNTS
 from dspark_fn.serve.engine import Engine, Request
 from published import qwen3_pair
-from test_serve_supervision import NEW_TOKENS, PROMPT, new_engine
+from test_serve_supervision import NEW_TOKENS, PROMPT, answered, new_engine
 
 
 @pytest.fixture(scope="module")
@@ -35,12 +35,7 @@ def pair_dirs(tmp_path_factory):
 
 
 def served_tokens(engine: Engine) -> list[int]:
-    request = engine.submit(Request(PROMPT, NEW_TOKENS))
-    tokens = []
-    while (update := request.events.get(timeout=120)).kind == "tokens":
-        tokens += update.value
-    assert update.kind == "done", update
-    return tokens
+    return answered(engine, Request(PROMPT, NEW_TOKENS), wait=120)
 
 
 def test_a_program_that_closes_its_engine_and_exits_at_once_exits_cleanly(pair_dirs):
