@@ -38,13 +38,13 @@ from pathlib import Path
 
 import numpy as np
 
+import dspark_fn
 from dspark_fn import generate
 from dspark_fn.catalog import load_named
 from dspark_fn.chat import chat_tokens, stop_tokens
-from dspark_fn.costs import measured_costs
 from dspark_fn.drafts.heads import DRAFT_VOCAB_KEY
 from dspark_fn.drafts.vocab import frequent_tokens
-from dspark_fn.schedule import Planner, bucket_for
+from dspark_fn.schedule import Settings, bucket_for
 from report import machine
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -128,6 +128,15 @@ def break_even_alpha(costs, buckets) -> float:
     return costs.round_cost(bucket_for(2, buckets)) / costs.verify[bucket_for(1, buckets)] - 1
 
 
+def learned_costs(params, prompt: list, buckets: tuple, rounds: int = 48):
+    """The round costs the policy learned over ``rounds`` rounds of the README's loop from ``prompt``."""
+    cache, tokens = dspark_fn.prefill(params, dspark_fn.init_cache(params, 1, 512), prompt)
+    for _ in range(rounds):
+        cache, step = dspark_fn.speculate(params, cache, tokens)
+        tokens = step.next_tokens
+    return cache.policy.costs.curve(1, False, buckets)
+
+
 def family_row(family: str, totals: dict, coverage: dict, capped: list) -> dict:
     share = lambda a, b: totals[a] / max(totals[b], 1)  # noqa: E731
     slots = totals.get("slots", 0)
@@ -176,9 +185,10 @@ def main() -> None:
     vocab = vocab if vocab is not None else set(range(params.spec.target.vocab_size))
     held_out = {tuple(chat_tokens(tokenizer, text)) for texts in families.values() for text in texts}
     wider = corpus_vocabularies(held_out, params.spec.target.vocab_size, stops)
-    planner = Planner(params.spec.block_size, costs=lambda batch, widths: measured_costs(params, batch, widths))
+    buckets = Settings(params.spec.block_size).buckets
+    costs = learned_costs(params, chat_tokens(tokenizer, families[FAMILIES[0]][0]), buckets)
     print(f"# {machine()}; draft {DRAFT or 'shipped default'} ({len(vocab)}-token vocabulary); {TOKENS} tokens; "
-          f"break-even alpha_1 {break_even_alpha(planner.costs, planner.buckets):.2f}")
+          f"break-even alpha_1 {break_even_alpha(costs, buckets):.2f}")
     rows = []
     for family in FAMILIES:
         totals, coverage, capped = defaultdict(int), defaultdict(int), []

@@ -14,7 +14,7 @@ bundled draft, 49,152-token vocabulary), measured side by side:
   committed tokens, under the issue-tracker schema of
   ``bench/grammar_engines.py``.
 
-Times are the fastest of several runs taking turns (``costs.fastest_seconds``).
+Times are the fastest of several runs taking turns (``workloads.fastest_seconds``).
 
     python bench/constraints.py
     PART=host python bench/constraints.py        # or PART=device; PASSES=25 on a busy machine
@@ -29,7 +29,7 @@ import numpy as np
 from dspark_fn import init_cache, propose
 from dspark_fn.catalog import load_named
 from dspark_fn.constraints import Constraint, Vocabulary, commit, compile_constraint, draft_masks, verify_masks
-from dspark_fn.costs import fastest_seconds
+from workloads import fastest_seconds
 from dspark_fn.kernel import compiled
 from dspark_fn.rounds import verify_and_commit
 from dspark_fn.sampling import GREEDY, allowed_tokens, batch_sampling, constrained, every_token

@@ -26,7 +26,7 @@ from dspark_fn.rounds import no_proposal
 from dspark_fn.checkpoints import mlx_lm_model
 from dspark_fn.drafts.heads import DRAFT_VOCAB_KEY
 from dspark_fn.catalog import load_named
-from dspark_fn.costs import fastest_seconds
+from workloads import fastest_seconds
 
 CONTEXTS = [int(c) for c in os.environ.get("CONTEXTS", "256,1024,4096").split(",")]
 PROMPTS = [int(c) for c in os.environ.get("PROMPTS", "69,200").split(",")]

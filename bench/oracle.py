@@ -39,7 +39,7 @@ from dspark_fn.catalog import load_named
 from dspark_fn.buffers import capacity_for
 from dspark_fn.prefilling import prefill_slots
 from dspark_fn.rounds import no_proposal
-from dspark_fn.costs import fastest_seconds
+from workloads import fastest_seconds
 from report import machine
 
 TAUS = [int(t) for t in os.environ.get("TAUS", "2,3,4,5,6").split(",")]

@@ -27,7 +27,7 @@ import mlx.core as mx
 from dspark_fn.cache import settle_entry
 from dspark_fn.layers.gated_delta import DeltaGeometry, delta_state, delta_rule_step, gated_delta_net
 from dspark_fn.layers.recurrent import scan
-from dspark_fn.costs import fastest_seconds
+from workloads import fastest_seconds
 
 HIDDEN, WIDTH, LAYERS = 2560, 8, 24  # a 4B-like hybrid has 24 delta-net layers of 32
 GEOMETRY = DeltaGeometry(num_k_heads=16, num_v_heads=32, head_k_dim=128, head_v_dim=128, conv_kernel=4)

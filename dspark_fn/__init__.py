@@ -3,8 +3,8 @@
 The modules form layers, each importing only from its own and the layers
 above it (README, "Layers"): foundations (records, caches, sampling and
 accept rules), layer math, model families, loading, the round (``prefilling``,
-``rounds``, ``buffers``; ``schedule`` and ``costs``), the driver
-(``Decoder``, ``generate``), then the tools (serve, distill, evaluate,
+``rounds``, ``buffers``; ``schedule`` and ``costs``), the policy
+(``speculate``), the driver (``Decoder``, ``generate``), then the tools (serve, distill, evaluate,
 benchmark, cli).
 
 Shape letters used in docstrings: B batch rows, L tokens in a forward, C
@@ -26,17 +26,16 @@ blas.in_use()  # first, before anything loads mlx: OpenBLAS then serves MLX's CP
 _EXPORTS = {
     "Cache": "cache",
     "load": "checkpoints", "load_draft": "checkpoints", "load_target": "checkpoints", "load_pair": "catalog",
-    "measured_costs": "costs",
     "ARCH_REGISTRY": "drafts", "DraftArch": "interfaces", "register_arch": "drafts", "resolve_arch": "drafts",
     "Decoder": "driver", "generate": "driver",
     "capacity_for": "buffers", "grow_cache": "buffers", "init_cache": "buffers",
     "insert": "prefilling", "prefill": "prefilling", "score_prompt": "prefilling",
     "load_prompt_cache": "prompt_files", "prompt_prefix": "prompt_files", "save_prompt_cache": "prompt_files",
-    "draft_block": "rounds", "propose": "rounds", "speculate": "rounds", "verify": "rounds",
+    "draft_block": "rounds", "propose": "rounds", "speculate": "policy", "Policy": "policy", "verify": "rounds",
     "verify_and_commit": "rounds", "verify_block": "rounds",
     "TRACE_COUNTS": "kernel",
     "GREEDY": "sampling", "Sampling": "sampling",
-    "CostCurve": "schedule", "Offer": "schedule", "Planner": "schedule",
+    "CostCurve": "schedule", "Offer": "schedule",
     "PointSource": "sources", "StoredAnswers": "sources", "default_sources": "sources",
     "Store": "store", "build_store": "store",
     "TARGET_REGISTRY": "targets", "TargetAdapter": "interfaces", "register_target": "targets",
@@ -76,7 +75,7 @@ __all__ = [
     "Step",
     "TRACE_COUNTS",
     "TargetAdapter",
-    "Planner",
+    "Policy",
     "Offer",
     "PointSource",
     "StoredAnswers",
@@ -108,5 +107,4 @@ __all__ = [
     "verify",
     "verify_and_commit",
     "verify_block",
-    "measured_costs",
 ]

@@ -14,7 +14,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_map
 
-from .cache import Cache, map_slots
+from .cache import Cache, map_arrays, map_slots
 from .rng import row_seeds
 from .targets import activation_dtype
 from .types import Params
@@ -23,7 +23,8 @@ CAPACITY_BUCKET = 256
 
 
 def init_cache(params: Params, batch_size: int, capacity: int, seed: int = 0) -> Cache:
-    """An empty cache; row b draws with the seed ``rng.row_seeds(seed, B)[b]``."""
+    """An empty cache; row b draws with the seed ``rng.row_seeds(seed, B)[b]``.
+    Its policy is made by the first round (``policy.Policy``)."""
     spec = params.spec
     return Cache(
         target=spec.target_adapter.init_kv(spec.target, batch_size, capacity,
@@ -31,6 +32,7 @@ def init_cache(params: Params, batch_size: int, capacity: int, seed: int = 0) ->
         draft=spec.draft_arch.init_context(spec.draft, batch_size, capacity),
         length=mx.zeros((batch_size,), mx.int32),
         seeds=row_seeds(seed, batch_size),
+        history=mx.zeros((batch_size, capacity), mx.int32),
     )
 
 
@@ -58,36 +60,41 @@ def grow_cache(params: Params, cache: Cache, capacity: int) -> Cache:
         larger[:, :, : state.shape[2]] = state
         return larger
 
-    return Cache(
-        target=map_slots(keep, cache.target, fresh.target),
-        draft=map_slots(keep, cache.draft, fresh.draft),
-        length=cache.length,
-        seeds=cache.seeds,
-    )
+    history = mx.concatenate([cache.history, fresh.history[:, cache.capacity :]], axis=1)
+    return cache._replace(target=map_slots(keep, cache.target, fresh.target),
+                          draft=map_slots(keep, cache.draft, fresh.draft), history=history)
 
 
 def place_rows(cache: Cache, rows: Sequence[int], part: Cache) -> Cache:
     """``cache`` with its rows ``rows`` replaced by the rows of ``part`` (same
-    capacity; every buffer is batch-major)."""
+    capacity; every buffer is batch-major). The policy is ``cache``'s, the
+    new sequences at the batch's rates (``Policy.entered``); a row's
+    prepared proposals no longer match its anchor, so the next round
+    prepares that row's afresh."""
     index = mx.array(list(rows))
 
     def put(batch: mx.array, new: mx.array) -> mx.array:
         batch[index] = new
         return batch
 
-    return tree_map(put, cache, part)
+    placed = map_arrays(put, cache, part)
+    return placed if cache.policy is None else placed._replace(policy=cache.policy.entered(list(rows)))
 
 
 def take_rows(tree, rows: Sequence[int], batch: int):
     """Rows ``rows`` of every (batch-major) array of ``tree``, in that order,
     then zero rows up to ``batch``: a batch's state moved into another size.
-    Zero rows are free rows (length 0; an insert overwrites them whole)."""
+    Zero rows are free rows (length 0; an insert overwrites them whole). A
+    ``Cache``'s policy moves its rows alike (``Policy.take``)."""
     index = mx.array(list(rows), mx.int32)
 
     def take(array: mx.array) -> mx.array:
         padding = mx.zeros((batch - index.size, *array.shape[1:]), array.dtype)
         return mx.concatenate([array[index], padding]) if index.size else padding
 
+    if isinstance(tree, Cache):
+        taken = map_arrays(take, tree)
+        return taken._replace(policy=None if tree.policy is None else tree.policy.take(list(rows), batch))
     return tree_map(take, tree)
 
 
@@ -98,14 +105,14 @@ def row_cache(cache: Cache, row: int, length: int, states: list | None = None) -
     layer, a recurrent entry of the whole batch (None for a layer of slots)
     whose row ``row`` replaces the row's present state, e.g. the state it
     had at ``length`` before a round committed more."""
-    one = take_rows(cache, [row], 1)
+    one = take_rows(cache._replace(policy=None), [row], 1)
     if states is not None:
         one = one._replace(target=[entry if state is None else take_rows(state, [row], 1)
                                    for entry, state in zip(one.target, states)])
     cut = lambda buffer: buffer[:, :, : capacity_for(length)]  # noqa: E731
     one = one._replace(target=map_slots(cut, one.target), draft=map_slots(cut, one.draft),
-                       length=mx.array([length], mx.int32))
-    return tree_map(mx.contiguous, one)
+                       length=mx.array([length], mx.int32), history=one.history[:, : capacity_for(length)])
+    return map_arrays(mx.contiguous, one)
 
 
 def free_row(cache: Cache, row: int) -> Cache:
@@ -113,10 +120,11 @@ def free_row(cache: Cache, row: int) -> Cache:
     return cache._replace(length=mx.where(mx.arange(cache.batch_size) == row, 0, cache.length))
 
 
-def check_free_slots(cache: Cache, width: int) -> None:
+def check_free_slots(capacity: int, lengths: np.ndarray, width: int) -> None:
     """A verify writes ``width`` rows at every row's length: refuse, before
-    anything runs, a cache that lacks the room (reads the lengths: one sync)."""
-    free = cache.capacity - np.array(cache.length)
+    anything runs, a cache of ``capacity`` slots whose rows at ``lengths``
+    lack the room."""
+    free = capacity - np.asarray(lengths)
     short = np.flatnonzero(free < width)
     if short.size:
         raise ValueError(

@@ -31,12 +31,22 @@ class Cache(NamedTuple):
     seeds:   ``[B] uint32``, each row's random seed: its draws are a pure
              function of its seed and its length (``rng.py``), so a run is
              reproducible and a row's samples do not depend on the others.
+    history: ``[B, capacity] int32``, the token at each committed slot: what
+             copy proposals are matched in (``copying.py``). Written where
+             the K/V are, so rollback by length holds for it too.
+    policy:  what the coming rounds verify and what chose it (``policy.Policy``:
+             each row's measured acceptance, the learned round costs, the
+             next round's proposals prepared with the last verify), host
+             data that ``speculate`` reads and returns updated; None until
+             the first round makes one. Kernels never see it.
     """
 
     target: list
     draft: Any
     length: mx.array
     seeds: mx.array
+    history: mx.array
+    policy: Any = None
 
     @property
     def capacity(self) -> int:
@@ -50,6 +60,24 @@ class Cache(NamedTuple):
     @property
     def batch_size(self) -> int:
         return self.length.shape[0]
+
+
+def map_arrays(fn, cache: Cache, *others: Cache) -> Cache:
+    """``tree_map`` over the arrays of ``cache`` (and of ``others``, caches of
+    the same layout); the policy is ``cache``'s, untouched."""
+    arrays = tree_map(fn, tuple(cache[:-1]), *[tuple(other[:-1]) for other in others])
+    return Cache(*arrays, policy=cache.policy)
+
+
+def device_state(cache: Cache) -> Cache:
+    """The cache as a kernel takes it: its arrays, no policy."""
+    return cache._replace(policy=None)
+
+
+def write_tokens(history: mx.array, tokens: mx.array, start: mx.array) -> mx.array:
+    """``history [B, C]`` with ``tokens [B, L]`` at slots ``start[b] + i``."""
+    slots = start[:, None] + mx.arange(tokens.shape[1])
+    return mx.put_along_axis(history, slots, tokens.astype(history.dtype), axis=1)
 
 
 def kv_buffers(batch: int, num_kv_heads: int, capacity: int, head_dim: int, dtype=mx.float32):

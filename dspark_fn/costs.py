@@ -1,223 +1,161 @@
-"""How much a round costs on this machine.
+"""What a round costs on this machine, learned as rounds run.
 
-The cost curve (draft kernel, verify kernel of each width) is timed once per
-model, machine, MLX device, BLAS, batch size and sampling mode at a reference
-context, and kept in ``verify_costs.json`` in the cache folder (``cachedir``):
-the same model costs a round several times more on MLX's bundled BLAS than on
-OpenBLAS, so each BLAS has its own curve and the gate declines drafting where
-that BLAS makes it not pay. The first timing also compiles the kernels; it
-shows its progress on stderr. ``measured_costs`` is what the driver's
-``schedule.Planner`` plans "auto" rounds with. Over several ranks every rank
-times the kernels together (they hold collectives) and all take rank 0's curve.
+The planner compares rounds by tokens per second, so it needs each
+verify width's cost and the draft pass's, for the batch size at hand
+(``schedule.CostCurve``). Nothing is timed up front: a round's cost starts
+from a prior made from the pair's shape and is refined by the measured
+time of every round, so the first answer waits on no benchmark and the
+widths follow the machine when its load changes.
+
+- The prior: bytes and floating-point operations per verified token. A
+  forward reads every weight once (``bytes``) and does ``2 x parameters``
+  operations per token; a draft pass reads the draft's weights and drafts
+  ``block_size`` tokens per row. ``OPS_PER_BYTE`` says how many operations
+  cost as much as reading a byte (a CPU computes little per byte it
+  reads; a GPU much more). Only ratios matter before the first
+  measurement; the first measurement gives the prior its scale.
+- The measurements (``timed``): a verify's seconds by its width, a draft
+  pass's seconds, kept per batch size and sampling mode, the newest
+  ``WINDOW`` of each, a measurement weighing ``FORGET`` times the one after
+  it. A verify costs ``plain + token x (width - 1)``: the two fitted by
+  least squares with the prior as ``PRIOR_WEIGHT`` rounds' worth of
+  evidence for each, so a width never run is priced from the prior scaled
+  to the machine; the draft pass is the weighted mean of its times with the
+  prior likewise. Rounds in which a kernel compiled are not measured.
+- Over several ranks every rank plans with rank 0's shape and times
+  (``sharding.agree``): the ranks must take the same decisions, or they
+  would run different kernels and wait on each other for ever.
+
+A new policy starts from what the last policy of the same pair learned in
+this process (``remembered``), so a loop that makes a cache per prompt
+plans its first rounds with measured costs too. ``fixed`` (a
+``CostCurve``) replaces all of this with given costs: tests and studies
+that need the same decisions every run.
 """
 
 import hashlib
-import json
-import os
-import platform
-import statistics
-import sys
-import time
-from datetime import datetime, timezone
-from pathlib import Path
-from typing import Callable
+from typing import NamedTuple
 
 import mlx.core as mx
+import numpy as np
 from mlx.utils import tree_flatten
 
-from .blas import in_use
-from .buffers import init_cache
-from .cachedir import cache_root, mlx_kernel_dir
-from .progress import Status, about, duration
-from .rounds import no_proposal, propose, verify
-from .sampling import GREEDY, batch_sampling
 from .schedule import CostCurve
 from .sharding import agree
 from .types import Params
 
-COST_CAPACITY = 512  # cost curves are measured at this context (a typical chat turn)
+FORGET = 0.9  # a measurement weighs this times the one after it
+WINDOW = 32  # measurements kept per batch size, sampling mode and kind
+PRIOR_WEIGHT = 1.0  # rounds of evidence the prior counts as, for each fitted cost
+LEARNED: dict = {}  # a pair's signature -> the costs its rounds last learned in this process
+CPU_OPS_PER_BYTE = 8.0  # operations that cost as much as reading a byte of weights, on a CPU
+GPU_OPS_PER_BYTE = 60.0
 
 
-def seconds_of(run: Callable) -> float:
-    start = time.perf_counter()
-    mx.eval(run())
-    return time.perf_counter() - start
+class Shape(NamedTuple):
+    """What a pair's forwards move and compute: bytes of weights read and
+    operations per token of the target, and per draft pass and row."""
+
+    target_bytes: float
+    target_ops: float  # per verified token
+    draft_bytes: float
+    draft_ops: float  # per draft pass and row (its whole block)
+    signature: str  # the pair's: both specs and every tensor's name, shape and dtype
+
+    @classmethod
+    def of(cls, params: Params) -> "Shape":
+        def arrays(tree) -> list:
+            return [(name, value) for name, value in tree_flatten(tree) if isinstance(value, mx.array)]
+
+        target, draft = arrays(params.target), arrays(params.draft)
+        described = repr((params.spec.target, params.spec.draft, [(n, a.shape, a.dtype) for n, a in target + draft]))
+        sizes = [float(sum(a.nbytes for _, a in target)), 2.0 * sum(a.size for _, a in target),
+                 float(sum(a.nbytes for _, a in draft)), 2.0 * sum(a.size for _, a in draft) * params.spec.block_size]
+        if mx.distributed.init().size() > 1:  # each rank holds a share: all plan from rank 0's, as they must agree
+            sizes = agree(sizes).tolist()
+        return cls(*sizes, hashlib.sha256(described.encode()).hexdigest())
+
+    def prior(self, batch: int) -> np.ndarray:
+        """``(plain step, each further verified token, draft pass)`` in units of
+        a byte read, for a batch of ``batch`` rows."""
+        per_byte = GPU_OPS_PER_BYTE if mx.default_device() == mx.gpu else CPU_OPS_PER_BYTE
+        token = batch * self.target_ops / per_byte
+        return np.array([self.target_bytes + token, token, self.draft_bytes + batch * self.draft_ops / per_byte])
 
 
-def fastest_seconds(runs: dict, passes: int = 7, report: Callable[[str, float], None] | None = None) -> dict:
-    """Fastest wall time of each ``mx.eval(run())`` over ``passes``, after one
-    warm-up each (which compiles; the first pass follows it at once). The
-    other passes take turns, so a burst of load elsewhere on the machine
-    cannot skew one entry alone. ``report(kind, seconds)`` hears of each
-    call: "compile" for a warm-up, "run" for a timed pass."""
-    report = report or (lambda kind, seconds: None)
-    best = {}
-    for name, run in runs.items():
-        report("compile", seconds_of(run))
-        best[name] = seconds_of(run)
-        report("run", best[name])
-    for _ in range(passes - 1):
-        for name, run in runs.items():
-            seconds = seconds_of(run)
-            best[name] = min(best[name], seconds)
-            report("run", seconds)
-    return best
+def weights(count: int) -> np.ndarray:
+    """The newest measurement first: 1, FORGET, FORGET^2, ..."""
+    return FORGET ** np.arange(count)
 
 
-class CalibrationStatus:
-    """The first timing's status line: kernels compiled of all, and what is
-    left estimated from the compiles and timed passes seen so far."""
+class RoundCosts(NamedTuple):
+    """The cost model of one pair: its shape's prior and the measurements so
+    far, by ``(batch, sampled)``. Updates return a new record."""
 
-    def __init__(self, kernels: int, passes: int, status: Status | None = None):
-        self.kernels, self.passes, self.status = kernels, passes, status or Status()
-        self.seconds = {"compile": [], "run": []}
-        self.started = time.monotonic()
-        self.status.show(f"dspark_fn: timing this machine's round costs, once per model, machine and BLAS "
-                         f"({in_use().label}): compiling kernel 1 of {kernels}")
+    shape: Shape
+    verifies: dict = {}  # (batch, sampled) -> ((width - 1, seconds), ...) newest first
+    drafts: dict = {}  # (batch, sampled) -> (seconds, ...) newest first
+    fixed: CostCurve | None = None
 
-    def __call__(self, kind: str, seconds: float) -> None:
-        self.seconds[kind].append(seconds)
-        compiled, timed = len(self.seconds["compile"]), len(self.seconds["run"])
-        if not timed:
-            return
-        left = ((self.kernels - compiled) * statistics.mean(self.seconds["compile"])
-                + (self.kernels * self.passes - timed) * statistics.mean(self.seconds["run"]))
-        stage = f"compiled {compiled} of {self.kernels} kernels" if compiled < self.kernels else "timing the kernels"
-        self.status.show(f"dspark_fn: timing this machine's round costs, once per model, machine and BLAS "
-                         f"({in_use().label}): {stage}, {about(left)} left")
+    @classmethod
+    def start(cls, params: Params, fixed: CostCurve | None = None) -> "RoundCosts":
+        """Fixed costs, or the last learned in this process for the pair (else nothing measured yet)."""
+        shape = Shape.of(params)
+        if fixed is None and shape.signature in LEARNED:
+            return LEARNED[shape.signature]
+        return cls(shape, {}, {}, fixed)
 
-    def done(self, where: Path) -> None:
-        kernels = mlx_kernel_dir(mx.__version__)
-        self.status.done(f"dspark_fn: round costs timed in {duration(time.monotonic() - self.started)}; kept in "
-                         f"{where}" + (f" (MLX keeps the compiled kernels in {kernels})" if kernels.is_dir() else ""))
+    def remembered(self) -> "RoundCosts":
+        """These costs, kept as the start of the pair's next policy in this process (fixed ones are not)."""
+        if self.fixed is None:
+            LEARNED[self.shape.signature] = self
+        return self
 
+    def timed(self, batch: int, sampled: bool, width: int | None = None, verify: float | None = None,
+              draft: float | None = None) -> "RoundCosts":
+        """With a verify of ``width`` that took ``verify`` seconds and/or a draft
+        pass that took ``draft`` seconds, in a batch of ``batch`` rows."""
+        key = (batch, sampled)
+        verifies, drafts = self.verifies, self.drafts
+        if verify is not None:
+            verifies = verifies | {key: (((width - 1, verify),) + verifies.get(key, ()))[:WINDOW]}
+        if draft is not None:
+            drafts = drafts | {key: ((draft,) + drafts.get(key, ()))[:WINDOW]}
+        return self._replace(verifies=verifies, drafts=drafts)
 
-def monotone(verify_seconds: dict) -> dict:
-    """Verifying more tokens never costs less: a running maximum over the
-    widths, so timing noise cannot invert the curve."""
-    slowest, curve = 0.0, {}
-    for width in sorted(verify_seconds):
-        slowest = max(slowest, verify_seconds[width])
-        curve[width] = slowest
-    return curve
+    def curve(self, batch: int, sampled: bool, widths: tuple) -> CostCurve:
+        """The cost of a draft pass and of a verify of each of ``widths``, now."""
+        if self.fixed is not None:
+            missing = sorted(set(widths) - set(self.fixed.verify))
+            if missing:
+                raise ValueError(f"the fixed costs give no verify cost for width(s) {missing}: give one for each of "
+                                 f"{list(widths)}")
+            return self.fixed
+        prior = self.shape.prior(batch)
+        verifies = np.array(self.verifies.get((batch, sampled), ()), float).reshape(-1, 2)
+        drafts = np.array(self.drafts.get((batch, sampled), ()), float)
+        scale = self._scale(prior, verifies, drafts)
+        plain, token = fitted_line(verifies, scale * prior[:2])
+        draft_weights = weights(len(drafts))
+        draft = (draft_weights @ drafts + PRIOR_WEIGHT * scale * prior[2]) / (draft_weights.sum() + PRIOR_WEIGHT)
+        return CostCurve(float(draft), {width: float(plain + token * (width - 1)) for width in widths})
 
-
-def cost_cache_path() -> Path:
-    return cache_root() / "verify_costs.json"
-
-
-def device_key() -> str:
-    """The running machine: host, architecture, MLX device and version, and
-    the BLAS serving MLX's CPU matmuls."""
-    return f"{platform.node()}|{platform.machine()}|{mx.default_device()}|mlx {mx.__version__}|{in_use().name}"
-
-
-COST_METHOD = "cache handed on"  # how the kernels are timed; curves timed otherwise are timed again
-
-
-def cost_key(model: str, batch: int, capacity: int, sampling) -> str:
-    digest = hashlib.sha256(model.encode()).hexdigest()[:16]
-    return f"{digest}|{device_key()}|batch {batch}|capacity {capacity}|{sampling}|{COST_METHOD}"
-
-
-def stored_curves(path: Path) -> dict:
-    """The cost cache's curves by key; a ``ValueError`` when the file holds
-    something else (edited by hand, damaged on disk)."""
-    try:
-        entries = json.loads(path.read_text())
-    except json.JSONDecodeError:
-        entries = None  # refused below with any other layout
-    if not isinstance(entries, dict) or not all(isinstance(entry, dict) for entry in entries.values()):
-        raise ValueError("not a JSON object of cost curves")
-    return entries
+    @staticmethod
+    def _scale(prior: np.ndarray, verifies: np.ndarray, drafts: np.ndarray) -> float:
+        """Seconds per prior unit: the weighted mean ratio of what was measured to what the prior says."""
+        ratios = np.concatenate([verifies[:, 1] / (prior[0] + prior[1] * verifies[:, 0]), drafts / prior[2]])
+        counts = np.concatenate([weights(len(verifies)), weights(len(drafts))])
+        return float(counts @ ratios / counts.sum()) if len(ratios) else 1.0
 
 
-def kept_curves(path: Path) -> dict:
-    """The curves kept at ``path``: none without a file, and none from a
-    file that holds something else (said on stderr; the next curve measured
-    replaces it, as curves are only ever a measurement away)."""
-    if not path.is_file():
-        return {}
-    try:
-        return stored_curves(path)
-    except ValueError as error:
-        print(f"dspark_fn: the cost cache {path} is unreadable ({error}); measuring again and replacing it",
-              file=sys.stderr)
-        return {}
-
-
-def cached_costs(key: str, measure: Callable[[], CostCurve], path: Path | None = None) -> CostCurve:
-    """The cost curve stored under ``key``, measured (and stored) on first use."""
-    path = path or cost_cache_path()
-    stored = kept_curves(path)
-    if key in stored:
-        return CostCurve.from_json(stored[key])
-    curve = measure()
-    stored = kept_curves(path)  # others may have written meanwhile
-    measured = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    stored[key] = curve.to_json() | {"machine": device_key(), "measured": measured}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    scratch = path.with_suffix(f".{os.getpid()}.tmp")
-    scratch.write_text(json.dumps(stored, indent=1, sort_keys=True))
-    os.replace(scratch, path)
-    return curve
-
-
-PASSES = 7  # timed calls of each kernel; the fastest counts
-
-
-def measured_in_view(params: Params, batch_size: int, widths, sampling) -> CostCurve:
-    """``measure_costs`` with its progress on stderr, ending with where the curve is kept."""
-    status = CalibrationStatus(len(widths) + 1, PASSES)
-    curve = measure_costs(params, batch_size, widths, sampling, status)
-    status.done(cost_cache_path())
-    return curve
-
-
-def measure_costs(params: Params, batch_size: int, widths, sampling=GREEDY, report=None) -> CostCurve:
-    """Time the draft kernel and the verify kernel of each width on this
-    machine (``report``: see ``fastest_seconds``)."""
-    length = mx.full((batch_size,), COST_CAPACITY // 2, mx.int32)
-    held = [init_cache(params, batch_size, COST_CAPACITY)._replace(length=length)]
-    tokens = mx.zeros((batch_size,), mx.int32)
-    proposal = propose(params, held[0], tokens, sampling)
-    mx.eval(proposal)
-
-    def verify_round(width):
-        # Each call takes the only reference to the cache and leaves the updated one, as the driver's rounds
-        # do: MLX then writes the verified positions in place. Timed against a cache that stays referenced,
-        # every call would copy the whole cache, a constant that hides how the cost grows with the width.
-        source = proposal if width > 1 else no_proposal(batch_size)
-        updated, result = verify(params, held.pop(), tokens, source, width, sampling=sampling)
-        held.append(updated._replace(length=length))
-        return result, updated
-
-    runs = {width: lambda width=width: verify_round(width) for width in widths}
-    runs["draft"] = lambda: propose(params, held[0], tokens, sampling)
-    seconds = fastest_seconds(runs, PASSES, report)
-    return CostCurve(seconds.pop("draft"), monotone(seconds))
-
-
-def agreed(costs: CostCurve) -> CostCurve:
-    """Rank 0's curve on every rank of the group."""
-    widths = sorted(costs.verify)
-    values = agree([costs.draft] + [costs.verify[width] for width in widths]).tolist()
-    return CostCurve(values[0], dict(zip(widths, values[1:])))
-
-
-def model_signature(params: Params) -> str:
-    """What a verify costs depends on: both specs and every tensor's shape and
-    dtype (so a quantized draft is timed apart from its float original)."""
-    tensors = tree_flatten((params.target, params.draft))
-    return repr((params.spec.target, params.spec.draft, [(k, v.shape, v.dtype) for k, v in tensors]))
-
-
-def measured_costs(params: Params, batch_size: int, widths: tuple, sampling=GREEDY) -> CostCurve:
-    """The cost curve of ``params`` at ``batch_size`` rows for the verify
-    ``widths``: measured on first use (its progress on stderr) and cached per
-    model, device, BLAS, batch size and sampling settings (over several
-    ranks, rank 0's, timed by all)."""
-    if mx.distributed.init().size() > 1:  # a cache hit on one rank only would leave the others timing alone
-        return agreed(measure_costs(params, batch_size, widths, sampling))
-    key = cost_key(model_signature(params), batch_size, COST_CAPACITY, batch_sampling(sampling, batch_size)[1])
-    return cached_costs(key, lambda: measured_in_view(params, batch_size, widths, sampling))
+def fitted_line(points: np.ndarray, prior: np.ndarray) -> tuple[float, float]:
+    """``(plain, token)`` minimising the weighted squared error of ``plain +
+    token x extra`` over ``points [N, 2]`` (extra tokens, seconds; the
+    newest first), plus ``PRIOR_WEIGHT`` times the squared distance to
+    ``prior``; neither below zero."""
+    extra, seconds = points[:, 0], points[:, 1]
+    w = weights(len(points))
+    normal = np.array([[w.sum(), w @ extra], [w @ extra, w @ extra**2]]) + PRIOR_WEIGHT * np.eye(2)
+    target = np.array([w @ seconds, w @ (extra * seconds)]) + PRIOR_WEIGHT * prior
+    plain, token = np.linalg.solve(normal, target)
+    return max(float(plain), 1e-9), max(float(token), 0.0)

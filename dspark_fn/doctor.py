@@ -99,28 +99,8 @@ def blas_finding() -> Finding:
     return Finding("BLAS", lines, problems)
 
 
-def cost_curves(path: Path, here: str) -> list[str]:
-    """A line on the curves measured here (this machine and BLAS) and one on the others."""
-    from .costs import stored_curves
-
-    if not path.is_file():
-        return [f"cost curves: none yet ({path.name} is written on first use of the verify width 'auto')"]
-    entries = stored_curves(path)
-    mine = [entry for entry in entries.values() if entry.get("machine") == here]
-    others = len(entries) - len(mine)
-    lines = [f"cost curves: {path}: {len(mine)} for this machine and BLAS"
-             + (f", last measured {max(entry['measured'] for entry in mine)}" if mine else "")]
-    if others:
-        machines = sorted({entry.get("machine", "an earlier version's key").split("|")[-1] for entry in entries.values()
-                           if entry.get("machine") != here})
-        lines.append(f"  and {others} for other machines or BLAS ({'; '.join(machines)})")
-    return lines
-
-
 def caches() -> Finding:
     import mlx.core as mx
-
-    from .costs import cost_cache_path, device_key
 
     root, problems = cache_root(), []
     moved = f" ({CACHE_DIR_ENV})" if os.environ.get(CACHE_DIR_ENV) else f" (set {CACHE_DIR_ENV} to move it)"
@@ -136,13 +116,6 @@ def caches() -> Finding:
     copies = sorted((root / "openblas").glob("*/libopenblas.so.0"))
     if copies:
         lines.append(f"OpenBLAS copies: {', '.join(str(copy.parent.name) for copy in copies)} in {root / 'openblas'}")
-    costs = cost_cache_path()
-    try:
-        lines += cost_curves(costs, device_key())
-    except (OSError, ValueError) as error:
-        lines.append(f"cost curves: {costs} cannot be read")
-        problems.append((f"the cost cache {costs} cannot be read ({getattr(error, 'strerror', None) or error})",
-                         f"delete {costs}; the curves in it are measured again on the next run"))
     kernels = mlx_kernel_dir(mx.__version__)
     count = len(list(kernels.iterdir())) if kernels.is_dir() else 0
     lines.append(f"MLX's compiled kernels: {count} in {kernels} (a reboot may empty it; they are compiled again "

@@ -9,15 +9,15 @@ are the decoder's own: it picks a free row for each new sequence and moves
 the sequences when the batch is resized, so no caller keeps a row map.
 
 A sequence's ``Row`` holds its sampling settings, its committed length, its
-budget and stop tokens, whether it asked for log-probabilities, each point
-source's state for it, its constraint's matcher and what it emitted so far. Every step cuts
+budget and stop tokens, whether it asked for log-probabilities, its
+constraint's matcher and what it emitted so far. Every step cuts
 each sequence's tokens by its own rule (``Row.cut``) and says which ended
 and why (``Step.finished``); none of ``generate``, the server's engine, the
 trainer's answering or the command line cuts tokens or counts a budget of
-its own. Where proposals come from is the ``sources.Proposers``' business
-(the draft and the point sources, behind one interface: the decoder names
-none of them); what each round proposes and how wide it verifies is the
-``schedule.Planner``'s to decide.
+its own. A round is ``policy.speculate`` over the decoder's cache: what it
+proposes, from which source and how wide it verifies is the cache's
+policy's to choose, as in a loop of one's own; the decoder adds batching,
+admission and the rows' rules.
 
 A sequence under a constraint (``insert(..., constraints=...)``: a compiled
 ``constraints.Grammar``) owns a ``Matcher`` that has followed every token it
@@ -26,7 +26,7 @@ reads from the matchers (its first token's, the verify's along each row's
 proposal, the draft's first slot: a batch with a constrained row drafts
 after its matchers have followed the last round, never ahead), advances each matcher by the tokens its row
 committed; the tokens the grammar forces next are a point source's offer
-(``sources.ForcedTokens``). A sequence ends with "stop"
+(``sources.ForcedTokens``, handed the matchers each round). A sequence ends with "stop"
 at the grammar's end-of-sequence token (added to its stop tokens) and with
 "dead_end" where its grammar admits no token at all: its output is cut
 before any token the grammar refuses, so none is ever reported.
@@ -39,18 +39,18 @@ from typing import Hashable, Iterator, NamedTuple, Sequence
 import mlx.core as mx
 import numpy as np
 
+from functools import partial
+
 from .buffers import capacity_for, check_writes, free_row, grow_cache, init_cache, row_cache, take_rows
 from .cache import Cache, is_recurrent
-from .constraints import Grammar, Matcher, next_masks, verify_masks
-from .costs import measured_costs
+from .constraints import Grammar, Matcher, draft_masks, next_masks, verify_masks
+from .policy import Policy, speculate
 from .prefilling import as_rows, insert, prefill
-from .rounds import no_proposal, undrafted, verify
 from .sampling import GREEDY, Sampling, batch_sampling
-from .schedule import NOTHING, CostCurve, Offers, Plan, Planner
-from .sources import PointSource, Proposers, default_sources
+from .schedule import CostCurve, Settings
+from .sources import ForcedTokens, PointSource
 from .stats import Tally
-from .types import (Copies, Ended, Event, Params, Proposal, Round, Step, TokenLogProbs, TokenScore, prompt_ids,
-                    prompt_key)
+from .types import Ended, Event, Params, Round, Step, TokenLogProbs, TokenScore, prompt_key
 
 TOP_LOG_PROBS = 20  # the most likely tokens a round scores when a row asks for log-probabilities (OpenAI's limit)
 
@@ -66,10 +66,8 @@ class Row:
     budget: int | None = None  # tokens it may still emit (None: until released)
     stop_tokens: frozenset = frozenset()  # a token that ends it (kept)
     scoring: int | None = None  # most likely alternatives to list with each token's log-probability, or None
-    followers: list = dataclasses.field(default_factory=list)  # each point source's state for it (``Proposers``)
     matcher: Matcher | None = None  # its constraint's state after every token it emitted, when it has one
     keep_cache: bool = False  # give its cache back when it ends
-    fresh: bool = True  # it joined after the pending draft was made, so that draft does not cover it
     finish: str | None = None  # "stop", "length", "dead_end" or "cancelled" once it ended
     tokens: list = dataclasses.field(default_factory=list)  # what it emitted so far
     tally: Tally = dataclasses.field(default_factory=Tally)  # its rounds' acceptance
@@ -109,6 +107,18 @@ class Before(NamedTuple):
     states: list  # per target layer: a recurrent layer's entry (every row), else None
 
 
+def round_width(width, block_size: int) -> int | None:
+    """The rounds' width setting from ``generate``'s: "auto" -> None (chosen
+    each round), None -> the whole block, an int as it is."""
+    if width == "auto":
+        return None
+    if width is None:
+        return block_size + 1
+    if not isinstance(width, int) or isinstance(width, bool):
+        raise ValueError(f"verify width must be an integer, None or 'auto', got {width!r}")
+    return width
+
+
 def _initial_capacity(rows: list, max_new_tokens: int, widest: int, capacity: int) -> None:
     """A fixed ``capacity`` must hold the whole generation."""
     longest = max(len(r) for r in rows)
@@ -117,10 +127,6 @@ def _initial_capacity(rows: list, max_new_tokens: int, widest: int, capacity: in
             f"prompt of {longest} tokens + {max_new_tokens} new tokens + verify width "
             f"{widest} exceeds the cache capacity {capacity}"
         )
-
-
-def _sigmoid(logits: mx.array) -> np.ndarray:
-    return 0.5 * (1 + np.tanh(0.5 * np.array(logits.astype(mx.float32))))  # without overflow
 
 
 def token_scores(scored: TokenLogProbs, rows: list, counts: list, tops: list) -> list:
@@ -134,14 +140,6 @@ def token_scores(scored: TokenLogProbs, rows: list, counts: list, tops: list) ->
         ]
         for row, count, top in zip(rows, counts, tops)
     ]
-
-
-def point_tokens(proposals: list, slots: int) -> np.ndarray:
-    """``[B, slots]``: each row's point-mass proposal (a list of tokens), zero-padded."""
-    tokens = np.zeros((len(proposals), slots), np.int32)
-    for row, proposal in enumerate(proposals):
-        tokens[row, : min(slots, len(proposal))] = proposal[:slots]
-    return tokens
 
 
 def matchers_for(constraints, count: int, vocab_size: int) -> list:
@@ -160,6 +158,19 @@ def matchers_for(constraints, count: int, vocab_size: int) -> list:
 def first_masks(matchers: list, vocab_size: int) -> np.ndarray | None:
     """Bits of the first tokens new sequences may take (None when none of them has a constraint)."""
     return next_masks(matchers, vocab_size) if any(matchers) else None
+
+
+def under_constraints(params: Params, matchers: list) -> dict:
+    """What a round of rows with these matchers (None: no constraint) passes
+    to ``speculate``: nothing without a constraint; else the draft's masks
+    (its first slot under each grammar), the verify's masks along each
+    row's proposal, and the grammars' forced tokens as a point source."""
+    if not any(matchers):
+        return {}
+    spec = params.spec
+    return {"draft_masks": draft_masks(matchers, spec.block_size, spec.target.vocab_size),
+            "masks": partial(verify_masks, matchers, vocab_size=spec.target.vocab_size),
+            "sources": (ForcedTokens(matchers),)}
 
 
 def checked_tags(tags: list, count: int, running: set) -> list:
@@ -224,28 +235,26 @@ class Decoder:
     budget (or ``release``), and leaves as an ``Ended`` record. The cache
     grows in ``capacity_for`` buckets unless fixed.
 
-    ``sources``: the point sources proposing beside the draft
-    (``sources.PointSource``; default ``sources.default_sources()``: forced
-    tokens and copies). ``width`` (the width setting: "auto", an int or
-    None), ``proposals`` ("auto", "draft" or "copy": the point sources
-    alone) and ``confidence_threshold`` are the ``planner``'s settings
-    (``schedule.Planner``); under "auto" it plans from ``costs``, by default
-    the cost curve measured on this machine for each batch size
-    (``costs.measured_costs``, timed with ``cost_sampling``)."""
+    A round is ``policy.speculate`` over the decoder's cache, whose policy
+    chooses it (``Policy``). ``sources``: point sources proposing beside
+    the draft and the built-in copies (``sources.PointSource``, e.g. a
+    store's answers); the tokens a constrained row's grammar forces are one
+    more. ``width`` ("auto": chosen each round; an int: fixed; None: the
+    whole block), ``proposals`` ("auto", "draft" or "copy": the point
+    sources alone) and ``confidence_threshold`` are the rounds' settings
+    (``schedule.Settings``); ``costs`` fixes the round costs the policy
+    plans with (default: learned as rounds run, ``costs.RoundCosts``)."""
 
     def __init__(self, params: Params, batch: int, *, width="auto", capacity: int | None = None,
                  confidence_threshold: float = 0.0, costs: CostCurve | None = None, seed: int = 0,
-                 cost_sampling=GREEDY, proposals: str = "auto", sources: Sequence[PointSource] | None = None):
+                 proposals: str = "auto", sources: Sequence[PointSource] | None = None):
         self.params = params
-        points = default_sources() if sources is None else tuple(sources)
-        measure = costs if costs is not None else (
-            lambda size, widths: measured_costs(params, size, widths, cost_sampling))
-        self.planner = Planner(params.spec.block_size, width=width, proposals=proposals,
-                               threshold=confidence_threshold, costs=measure, batch=batch,
-                               points=[(source.name, source.kinds) for source in points])
-        self.proposers = Proposers(params, self.planner, points)
+        self.settings = Settings(params.spec.block_size, round_width(width, params.spec.block_size), proposals,
+                                 confidence_threshold).checked()
+        self.sources = tuple(sources or ())
         self.growing = capacity is None
-        self.cache = init_cache(params, batch, capacity or capacity_for(1), seed)
+        self.cache = init_cache(params, batch, capacity or capacity_for(1), seed)._replace(
+            policy=Policy.start(params, batch, costs))
         self.rows: list[Row | None] = [None] * batch  # None: a free row
         self.tokens = mx.zeros((batch,), mx.int32)  # each row's anchor
         self._sampling = batch_sampling(GREEDY, batch)
@@ -254,6 +263,11 @@ class Decoder:
     @property
     def batch(self) -> int:
         return len(self.rows)
+
+    @property
+    def widest(self) -> int:
+        """The widest verify a round may run (anchor included)."""
+        return self.settings.max_width
 
     @property
     def live(self) -> np.ndarray:
@@ -275,6 +289,12 @@ class Decoder:
         """``[B]`` the positions each row's cache holds (0 for a free row)."""
         return np.array([row.committed if row is not None else 0 for row in self.rows])
 
+    def forget(self) -> None:
+        """Forget what the rounds measured of the proposals (the learned costs
+        stay): a sequence that runs alone from here follows the decisions a
+        fresh decoder would, so with fixed costs its seeded samples repeat."""
+        self.cache = self.cache._replace(policy=self.cache.policy.forgetting())
+
     # ---- sequences in
 
     def start(self, prompts: list, sampling=GREEDY, *, tags: Sequence[Hashable] | None = None,
@@ -283,8 +303,7 @@ class Decoder:
         empty decoder, one a row, each with its budget of ``max_new_tokens``
         (default: none), ``stop_tokens`` and ``constraints`` (see
         ``insert``), tagged ``tags`` (default: the decoder hands out 0, 1,
-        ...); returns the step of their first tokens. The first round's
-        draft is made with the prefill."""
+        ...); returns the step of their first tokens."""
         if self.live.any():
             raise ValueError("start fills an empty decoder; insert adds sequences to a running one")
         matchers = matchers_for(constraints, len(prompts), self.params.spec.target.vocab_size)
@@ -293,11 +312,9 @@ class Decoder:
                                           masks=first_masks(matchers, self.params.spec.target.vocab_size))
         self._sampling = batch_sampling(settings, self.batch)
         rows = range(self.batch)
-        step = self._enter(rows, tags, prompts, settings, self.tokens.tolist(), None, fresh=False, matchers=matchers,
+        return self._enter(rows, tags, prompts, settings, self.tokens.tolist(), None, matchers=matchers,
                            max_new_tokens=max_new_tokens, stop_tokens=stop_tokens, top_log_probs=None,
                            keep_cache=False)
-        mx.eval(self.proposers.launch_ahead(self.rows, self.cache, self.tokens, self._sampling, self.live))
-        return step
 
     def insert(self, prompts: list, *, tags: Sequence[Hashable] | None = None, sampling=GREEDY,
                seeds: Sequence[int] = (), prefix: Cache | None = None, top_log_probs: int | None = None,
@@ -333,12 +350,12 @@ class Decoder:
         if top_log_probs is not None:
             one = TokenLogProbs(*(a[:, None] for a in scored[0]))  # one position a row
             scores = token_scores(one, list(range(len(rows))), [1] * len(rows), [top_log_probs] * len(rows))
-        return self._enter(rows, tags, prompts, settings, first, scores, fresh=True, matchers=matchers,
+        return self._enter(rows, tags, prompts, settings, first, scores, matchers=matchers,
                            max_new_tokens=max_new_tokens, stop_tokens=stop_tokens, top_log_probs=top_log_probs,
                            keep_cache=keep_cache)
 
     def _enter(self, rows: Sequence[int], tags, prompts: list, settings: list, first: list, scores: list | None, *,
-               fresh: bool, matchers: list, max_new_tokens: int | None, stop_tokens, top_log_probs: int | None,
+               matchers: list, max_new_tokens: int | None, stop_tokens, top_log_probs: int | None,
                keep_cache: bool) -> Step:
         """The sequences just prefilled into ``rows`` take their rows; the step of their first tokens."""
         running = {row.tag for row in self.rows if row is not None}
@@ -347,8 +364,7 @@ class Decoder:
             ends = frozenset() if matcher is None else frozenset(matcher.grammar.vocabulary.eos)
             self.rows[row] = Row(tag=tag, prompt=prompt_key(prompt), sampling=setting, committed=len(prompt),
                                  budget=max_new_tokens, stop_tokens=frozenset(stop_tokens) | ends,
-                                 scoring=top_log_probs, keep_cache=keep_cache, fresh=fresh, matcher=matcher,
-                                 followers=self.proposers.follow(prompt_ids(prompt) + [token], matcher))
+                                 scoring=top_log_probs, keep_cache=keep_cache, matcher=matcher)
         self._sampling = batch_sampling([row.sampling if row else GREEDY for row in self.rows], self.batch)
         entered = [self.rows[row] for row in rows]
         emitted = [entry.cut([token]) for entry, token in zip(entered, first)]
@@ -360,74 +376,41 @@ class Decoder:
     # ---- one round
 
     def step(self) -> Step:
-        """One round over the live sequences, top to bottom: choose the
-        proposals (drafting if asked), plan, make room, verify, one
-        evaluation, learn, cut, and end the sequences that finished
-        (``Step.ended``; their rows take the next ``insert``).
-
-        Host synchronisations: one, the evaluation, when the draft is the
-        only source and no sequence is under a constraint (the round's draft
-        was made and evaluated with the previous verify) and in a round
-        without a draft pass; two in a round that drafts beside point
-        sources, or for rows under a constraint, which reads its fresh
-        draft's confidences (and its tokens, for the masks of rows under a
-        constraint) to plan the width before it launches the verify."""
+        """One round over the live sequences (``policy.speculate``: the
+        cache's policy chooses the proposals and the width), after making
+        room; then each sequence's tokens cut by its own rule, and the
+        sequences that finished ended (``Step.ended``; their rows take the
+        next ``insert``). Rows under a constraint draft after their matchers
+        have followed the last round, under their grammars' masks, and
+        verify under them."""
         live = self.live
         if not live.any():
             raise ValueError("no sequence is generating: insert a prompt first")
-        offers, choice, proposal = self.proposers.choose(self.rows, self.cache, self.tokens, self._sampling, live)
-        confidences = None if proposal is None else _sigmoid(proposal.confidence_logits)
-        plan = self.planner.plan(confidences, offers, choice, live, self.proposers.uncovered(self.rows, live))
+        self.cache = with_room(self.params, self.cache, self.committed, live, self.widest, self.growing)
         before = round_start(self.cache, self.rows, self.committed)
-        result = self._verify(plan, proposal, offers, live)
-        pending = self.proposers.launch_ahead(self.rows, self.cache, self.tokens, self._sampling, live)
-        mx.eval(result, pending, self.cache.length)
+        constrained = under_constraints(self.params, [row.matcher if row is not None else None for row in self.rows])
+        self.cache, result = speculate(
+            self.params, self.cache, self.tokens, width=self.settings.width, sampling=self._sampling,
+            active=mx.array(live), proposals=self.settings.proposals, threshold=self.settings.threshold,
+            sources=self.sources + constrained.pop("sources", ()), **constrained,
+            top_log_probs=TOP_LOG_PROBS if any(row.scoring is not None for row in self.rows if row) else None,
+        )
+        self.tokens = result.next_tokens
         counts, accepted = result.count.tolist(), result.accepted.tolist()
         committed = [tokens[:count] for tokens, count in zip(result.emitted.tolist(), counts)]
         for row, tokens in zip(self.rows, committed):
             if row is not None:
-                row.committed, row.fresh = row.committed + len(tokens), False
-                self.proposers.commit(row.followers, tokens)
+                row.committed += len(tokens)
         check_lengths(self.cache, self.committed)
-        self.planner.learn(plan, np.array(accepted), offers, committed)
-        return self._cut(plan, result, committed, accepted, before)
+        return self._cut(result, committed, accepted, before)
 
-    def _verify(self, plan: Plan, proposal: Proposal | None, offers: Offers, live: np.ndarray) -> Round:
-        """Launch the planned verify (the cache and the anchors move on;
-        nothing is evaluated), with the masks of rows under a constraint
-        along the proposal each verifies, up to its limit."""
-        width = plan.width
-        self.cache = with_room(self.params, self.cache, self.committed, live, width, self.growing)
-        drafted = proposal is not None and width > 1
-        if width == 1:
-            proposal = no_proposal(self.batch)
-        elif proposal is None:
-            proposal = undrafted(self.params, self.batch, self._sampling.mode)
-        pointing = plan.points != NOTHING
-        proposed = point_tokens(offers.chosen(plan.points), width - 1)
-        points = Copies(mx.array(proposed), mx.array(pointing)) if pointing.any() else None
-        matchers = [row.matcher if row is not None else None for row in self.rows]
-        masks = None
-        if any(matchers):
-            if drafted:  # the draft's tokens, already on the host once planned
-                proposed = np.where(pointing[:, None], proposed, np.array(proposal.tokens[:, : width - 1]))
-            masks = verify_masks(matchers, proposed, self.params.spec.target.vocab_size, limits=plan.limits)
-        scoring = any(row.scoring is not None for row in self.rows if row is not None)
-        self.cache, result = verify(
-            self.params, self.cache, self.tokens, proposal, width, sampling=self._sampling,
-            limit=mx.array(plan.limits), active=mx.array(live), copies=points,
-            top_log_probs=TOP_LOG_PROBS if scoring else None, check_room=False, masks=masks,
-        )
-        self.tokens = result.next_tokens
-        return result
-
-    def _cut(self, plan: Plan, result: Round, committed: list, accepted: list, before: Before | None) -> Step:
+    def _cut(self, result: Round, committed: list, accepted: list, before: Before | None) -> Step:
         """The round's step: each sequence's committed tokens cut by its own
         rule, then the records of those that ended."""
         rows = [row for row, entry in enumerate(self.rows) if entry is not None]
         drafted = result.drafted.tolist()
-        proposed = [drafted[row][: plan.limits[row]] for row in rows]
-        sources = [plan.source(row) for row in rows]
+        proposed = [drafted[row][: result.limits[row]] for row in rows]
+        sources = [result.sources[row] for row in rows]
         entries = [self.rows[row] for row in rows]
         emitted = [entry.advance(committed[row], accepted[row], verified, source)
                    for entry, row, verified, source in zip(entries, rows, proposed, sources)]
@@ -436,8 +419,8 @@ class Decoder:
             scores = token_scores(result.scores, rows, [len(committed[row]) for row in rows],
                                   [entry.scoring for entry in entries])
         return Step(kind="round", tags=[entry.tag for entry in entries], emitted=emitted,
-                    accepted=[accepted[row] for row in rows], drafted=proposed, width=plan.width, sources=sources,
-                    finished=[entry.finish for entry in entries], log_probs=scores,
+                    accepted=[accepted[row] for row in rows], drafted=proposed, width=result.emitted.shape[1],
+                    sources=sources, finished=[entry.finish for entry in entries], log_probs=scores,
                     ended=[self._end(row, before) for row in rows if self.rows[row].finish is not None])
 
     # ---- sequences out, and the batch between rounds
@@ -454,24 +437,21 @@ class Decoder:
         """The record of the sequence in ``row``, which is then free (its point sources finish it)."""
         entry = self.rows[row]
         cache = kept_cache(self.cache, row, entry, before) if entry.keep_cache else None
-        self.proposers.finish(entry.followers, entry.tokens)
+        for source in self.sources:
+            source.learn(entry.tokens)
         self.rows[row] = None
         self.cache = free_row(self.cache, row)
         return Ended(entry.tag, entry.prompt, entry.tokens, entry.finish, entry.tally, cache)
 
     def resize(self, batch: int) -> None:
         """Move the live sequences into a batch of ``batch`` rows (with their
-        pending draft; the planner keeps what it measured and plans with
-        that size's cost curve). Kernels and cost curves are per batch
-        size, so a server runs only as many rows as it has requests (each
-        size compiles once)."""
+        rows' policy: measured rates and prepared proposals; the costs are
+        learned per batch size). Kernels are per batch size, so a server
+        runs only as many rows as it has requests (each size compiles once)."""
         live = np.flatnonzero(self.live).tolist()
         if len(live) > batch:
             raise ValueError(f"{len(live)} active rows do not fit in a batch of {batch}")
-        self.planner.resize(batch)
-        self.cache, self.tokens = take_rows((self.cache, self.tokens), live, batch)
-        if self.proposers.pending is not None:
-            self.proposers.pending = take_rows(self.proposers.pending, live, batch)
+        self.cache, self.tokens = take_rows(self.cache, live, batch), take_rows(self.tokens, live, batch)
         self.rows = [self.rows[row] for row in live] + [None] * (batch - len(live))
         self._sampling = batch_sampling([row.sampling if row else GREEDY for row in self.rows], batch)
         check_lengths(self.cache, self.committed)
@@ -506,7 +486,10 @@ def generate(
     rows' proposals come from, "auto" (default: under the "auto" width, per
     row and round the draft or a copy of an earlier stretch of the row's
     context, whichever is expected to pay more), "draft" or "copy" (see
-    ``schedule.Planner``). ``sampling`` is one ``Sampling`` for every row or one per row; row b draws with its own
+    ``schedule.Settings``); ``sources``: point sources proposing beside the
+    draft and the copies (``sources.PointSource``, e.g. a store's answers);
+    ``costs`` fixes the round costs (default: learned as rounds run).
+    ``sampling`` is one ``Sampling`` for every row or one per row; row b draws with its own
     seed (derived from ``seed`` and b). Greedy output equals greedy decoding
     of the target alone, row by row; sampled output is distributed as
     sampling the target alone. Sequences that finish stop emitting while
@@ -526,10 +509,10 @@ def generate(
         raise ValueError("max_new_tokens must be at least 1")
     decoder = Decoder(
         params, len(rows), width=width, capacity=capacity, confidence_threshold=confidence_threshold, costs=costs,
-        seed=seed, cost_sampling=sampling, proposals=proposals, sources=sources,
+        seed=seed, proposals=proposals, sources=sources,
     )
     if capacity is not None:
-        _initial_capacity(rows, max_new_tokens, decoder.planner.max_width, capacity)
+        _initial_capacity(rows, max_new_tokens, decoder.widest, capacity)
     if prefix is None:
         step = decoder.start(rows, sampling, tags=range(len(rows)), max_new_tokens=max_new_tokens,
                              stop_tokens=stop_tokens, constraints=constraint)

@@ -20,7 +20,7 @@ from mlx.utils import tree_map
 
 from . import blas, rng
 from .buffers import capacity_for, check_rows, check_writes, grow_cache, init_cache, place_rows
-from .cache import Cache
+from .cache import Cache, device_state, map_arrays, write_tokens
 from .interfaces import ImageInputs
 from .kernel import compiled
 from .rng import row_seeds, uniforms
@@ -76,7 +76,7 @@ def _chunk_kernel(spec: PairSpec, top: int = 0, images: bool = False):
         in_chunk = (row >= 0) & (row < tokens.shape[1])
         picked = mx.take_along_axis(hidden, mx.clip(row, 0, tokens.shape[1] - 1)[:, None, None], axis=1)
         logits = adapter.logits(spec.target, target, picked[:, 0])
-        state = cache._replace(target=target_kv, draft=draft_state)
+        state = cache._replace(target=target_kv, draft=draft_state, history=write_tokens(cache.history, tokens, start))
         if not top:
             return state, mx.where(in_chunk[:, None], logits, last_logits)
         following = extra[-1]
@@ -224,9 +224,9 @@ def _run_prompts(params: Params, cache: Cache, rows: list, *, chunk_size: int | 
             f"prompt of {longest} tokens does not fit the cache capacity {cache.capacity} "
             f"(prefill pads to {int(starts.max()) + padded_length}); allocate a larger cache or shorten the prompt"
         )
-    state = cache
+    state = device_state(cache)  # the kernels' part; the policy comes back with the result
     if len(running) < len(rows):  # every cache array is batch-major
-        state = tree_map(lambda a: a[mx.array(running)], state)
+        state = map_arrays(lambda a: a[mx.array(running)], state)
     media = image_rows(params, [rows[i] for i in running], starts[running], padded_length)
     offsets = mx.array(starts[running], mx.int32)
     padded = mx.array([tokens[i] + [0] * (padded_length - len(tokens[i])) for i in running], mx.int32)
@@ -250,9 +250,10 @@ def _run_prompts(params: Params, cache: Cache, rows: list, *, chunk_size: int | 
     scores = [mx.concatenate(parts, axis=1)[:, : padded_length - 1] for parts in zip(*scored)]  # [] unless top
     if len(running) < len(rows):
         index = mx.array(source)
-        state, last_logits, scores = tree_map(lambda a: a[index], (state, last_logits, scores))
+        state = map_arrays(lambda a: a[index], state)
+        last_logits, scores = tree_map(lambda a: a[index], (last_logits, scores))
     lengths = mx.array(starts + np.array([len(r) for r in tokens]), mx.int32)
-    return state._replace(length=lengths), last_logits, TokenLogProbs(*scores) if top else None
+    return state._replace(length=lengths, policy=cache.policy), last_logits, TokenLogProbs(*scores) if top else None
 
 
 class ImageRows:

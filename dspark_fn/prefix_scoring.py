@@ -24,10 +24,9 @@ tokens only, so no prefix of it can be resumed: its prompts are scored whole.
 from typing import Callable, NamedTuple, Sequence
 
 import mlx.core as mx
-from mlx.utils import tree_map
 
 from .buffers import capacity_for, grow_cache, holds_recurrent_states, init_cache, row_cache
-from .cache import Cache
+from .cache import Cache, map_arrays
 from .prefilling import PREFILL_CHUNK, score_prompt
 from .rng import row_seeds
 from .sampling import GREEDY
@@ -92,7 +91,7 @@ def batch_of(params: Params, prefixes: list, seeds: Sequence[int]) -> Cache:
     capacity = max([capacity_for(1)] + [p.cache.capacity for p in prefixes if p is not None])
     rows = [grow_cache(params, p.cache if p is not None else init_cache(params, 1, capacity), capacity)
             for p in prefixes]
-    joined = tree_map(lambda *parts: mx.concatenate(parts), *rows)
+    joined = map_arrays(lambda *parts: mx.concatenate(parts), *rows)
     return joined._replace(seeds=mx.concatenate([row_seeds(seed, 1) for seed in seeds]))
 
 

@@ -22,8 +22,10 @@ that start with every saved token.
 """
 
 import hashlib
+import hmac
 import json
 from pathlib import Path
+from typing import NamedTuple
 
 import mlx.core as mx
 import numpy as np
@@ -39,6 +41,9 @@ FORMAT = "dspark_fn prompt cache"
 VERSION = 1  # raised whenever what a file holds, or how it is laid out, changes
 SAMPLES_PER_TENSOR = 16  # elements each parameter tensor adds to a fingerprint, spread over all of it
 SEEDS = "seeds"  # the tensor holding the row's random seed; the cache's buffers sit under "target." and "draft."
+KEYED = "hmac-sha256"  # the ``keyed`` field of a file signed with a key
+REQUIRED = ("tokens", "anchor", "length", "capacity", "rows", "dtype", "target", "draft")
+LARGEST_CAPACITY = 1 << 31  # past any cache a file can hold
 
 
 def dtype_name(dtype) -> str:
@@ -86,11 +91,13 @@ def pair_fields(params: Params) -> dict:
     }
 
 
-def checksum(fields: dict, tensors: dict) -> str:
+def checksum(fields: dict, tensors: dict, key: bytes | None = None) -> str:
     """sha256 over the metadata (but the checksum itself) and every tensor's
     name, dtype, shape and bytes in name order: a changed byte anywhere in
-    the file changes it, or stops the file from parsing at all."""
-    digest = hashlib.sha256(json.dumps({k: v for k, v in fields.items() if k != "checksum"}, sort_keys=True).encode())
+    the file changes it, or stops the file from parsing at all. With a
+    ``key``, an HMAC-SHA256 under it over the same bytes."""
+    metadata = json.dumps({k: v for k, v in fields.items() if k != "checksum"}, sort_keys=True).encode()
+    digest = hashlib.sha256(metadata) if key is None else hmac.new(key, metadata, hashlib.sha256)
     for name in sorted(tensors):
         tensor = tensors[name]
         digest.update(f"{name} {dtype_name(tensor.dtype)} {tensor.shape}".encode())
@@ -98,13 +105,15 @@ def checksum(fields: dict, tensors: dict) -> str:
     return digest.hexdigest()
 
 
-def save_prompt_cache(path, params: Params, cache: Cache, tokens, anchor, *, row: int = 0) -> Path:
+def save_prompt_cache(path, params: Params, cache: Cache, tokens, anchor, *, row: int = 0,
+                      key: bytes | None = None) -> Path:
     """Save row ``row`` of a prefilled ``cache`` to the file ``path`` (written
     whole or not at all): its buffers cut to its committed length, its seed,
     the prompt ``tokens`` it holds (exactly ``cache.length[row]`` of them)
     and ``anchor``, the first token chosen after them (an int, or the
     ``tokens [B]`` ``prefill`` returns, whose entry ``row`` is taken).
-    Returns the path."""
+    ``key``: sign the file (an HMAC under the key), for a file that crosses
+    a trust boundary. Returns the path."""
     if isinstance(tokens, ImagePrompt):
         raise ValueError("a prompt with images cannot be saved to a prompt-cache file: it holds token ids only")
     tokens = [int(t) for t in (tokens.tolist() if isinstance(tokens, mx.array) else tokens)]
@@ -121,7 +130,9 @@ def save_prompt_cache(path, params: Params, cache: Cache, tokens, anchor, *, row
     mx.eval(tensors)
     fields = {"format": FORMAT, "version": str(VERSION), "tokens": json.dumps(tokens), "anchor": str(first),
               "length": str(length), "capacity": str(one.capacity), "rows": "1"} | pair_fields(params)
-    fields["checksum"] = checksum(fields, tensors)
+    if key is not None:
+        fields["keyed"] = KEYED
+    fields["checksum"] = checksum(fields, tensors, key)
 
     def write(partial: Path) -> None:
         with partial.open("wb") as handle:  # a file object: MLX would add a suffix to a path
@@ -130,7 +141,8 @@ def save_prompt_cache(path, params: Params, cache: Cache, tokens, anchor, *, row
     return atomic.write_with(path, write)
 
 
-def load_prompt_cache(path, params: Params, *, capacity: int | None = None) -> tuple[Cache, list[int], mx.array]:
+def load_prompt_cache(path, params: Params, *, capacity: int | None = None,
+                      key: bytes | None = None) -> tuple[Cache, list[int], mx.array]:
     """``(cache, tokens, anchor)`` from a file ``save_prompt_cache`` wrote for
     this pair: a one-row cache holding ``tokens`` (its length) in buffers
     of ``capacity`` slots (default: the bucket that also holds a round of
@@ -149,22 +161,25 @@ def load_prompt_cache(path, params: Params, *, capacity: int | None = None) -> t
     except (RuntimeError, ValueError) as error:
         raise ValueError(f"{path} cannot be read: a truncated or corrupt prompt-cache file ({error}); save it "
                          f"again") from None
-    check_header(path, fields, tensors)
+    check_header(path, fields, tensors, key)
+    saved = checked_fields(path, fields, params.spec.target.vocab_size)
     check_pair(path, fields, pair_fields(params))
-    length, stored = int(fields["length"]), int(fields["capacity"])
-    template = init_cache(params, 1, stored)
+    tokens, length, stored = saved.tokens, saved.length, saved.capacity
+    template = init_cache(params, 1, stored)  # lazy: its shapes, nothing allocated
     shapes = {"target": template.target, "draft": template.draft}
     check_layout(path, dict(tree_flatten(shapes)) | {SEEDS: template.seeds}, tensors)
     filled = tree_map_with_path(lambda name, _: tensors[name], shapes)
+    history = mx.zeros((1, stored), mx.int32)
+    history[0, :length] = mx.array(tokens, mx.int32)
     cache = Cache(target=filled["target"], draft=filled["draft"], length=mx.array([length], mx.int32),
-                  seeds=tensors[SEEDS])
+                  seeds=tensors[SEEDS], history=history)
     wanted = capacity or capacity_for(length + params.spec.block_size + 1)
     if wanted <= length:
         raise ValueError(f"a capacity of {wanted} slots does not hold the {length} saved tokens and one more")
     if wanted < stored:  # the slots past the saved length hold nothing a later round reads
         cache = cache._replace(target=map_slots(lambda b: b[:, :, :wanted], cache.target),
-                               draft=map_slots(lambda b: b[:, :, :wanted], cache.draft))
-    return grow_cache(params, cache, wanted), json.loads(fields["tokens"]), mx.array([int(fields["anchor"])], mx.int32)
+                               draft=map_slots(lambda b: b[:, :, :wanted], cache.draft), history=history[:, :wanted])
+    return grow_cache(params, cache, wanted), tokens, mx.array([saved.anchor], mx.int32)
 
 
 def read_fields(path) -> dict:
@@ -203,15 +218,64 @@ def check_format(path: Path, fields: dict) -> None:
                          f"dspark_fn reads version {VERSION}: save it again with this version")
 
 
-def check_header(path: Path, fields: dict, tensors: dict) -> None:
-    """The file is a prompt cache of this format version, and its contents are those it was saved with."""
+def check_header(path: Path, fields: dict, tensors: dict, key: bytes | None = None) -> None:
+    """The file is a prompt cache of this format version, and its contents
+    are those it was saved with (signed with ``key``, when one is given)."""
     check_format(path, fields)
-    if fields.get("checksum") != checksum(fields, tensors):
+    keyed = fields.get("keyed") == KEYED
+    if keyed and key is None:
+        raise ValueError(f"{path} was signed with a key: give load_prompt_cache(..., key=) the key it was saved with")
+    if key is not None and not keyed:
+        raise ValueError(f"{path} is not signed, and a key was given: save it again with save_prompt_cache(..., "
+                         f"key=) to load it across a trust boundary")
+    if not hmac.compare_digest(str(fields.get("checksum", "")), checksum(fields, tensors, key)):
+        if keyed:
+            raise ValueError(f"{path} does not match the signature made with the key: changed since it was signed, "
+                             f"or signed with another key")
         raise ValueError(f"{path} is corrupt: its contents do not match the checksum saved with them (changed or "
                          f"damaged since it was written); save it again")
-    if fields.get("rows") != "1" or len(json.loads(fields["tokens"])) != int(fields["length"]):
-        raise ValueError(f"{path} holds {fields.get('rows')} rows and {fields.get('length')} positions for "
-                         f"{len(json.loads(fields['tokens']))} tokens: a file holds one row, one position a token")
+
+
+class Saved(NamedTuple):
+    """What a file's fields say it holds, checked."""
+
+    tokens: list
+    anchor: int
+    length: int
+    capacity: int
+
+
+def whole_number(path: Path, fields: dict, name: str) -> int:
+    value = fields[name]
+    if not (isinstance(value, str) and value.lstrip("-").isdigit() and len(value) < 20):
+        raise ValueError(f"{path}: its {name} {value!r} is not a whole number; save it again")
+    return int(value)
+
+
+def checked_fields(path: Path, fields: dict, vocab_size: int) -> Saved:
+    """Every field a load reads, present and in range for a vocabulary of
+    ``vocab_size``: a ``ValueError`` naming the first that is not."""
+    missing = [name for name in REQUIRED if name not in fields]
+    if missing:
+        raise ValueError(f"{path} has no {missing[0]} among its fields: not a whole prompt-cache file; save it again")
+    try:
+        tokens = json.loads(fields["tokens"])
+    except ValueError:
+        tokens = None
+    if not isinstance(tokens, list) or not all(type(t) is int and 0 <= t < vocab_size for t in tokens):
+        raise ValueError(f"{path}: its tokens are not token ids of this vocabulary (0..{vocab_size - 1}); save it again")
+    anchor = fields["anchor"]
+    if not (anchor.isdigit() and len(anchor) < 20 and int(anchor) < vocab_size):
+        raise ValueError(f"{path}: its anchor {anchor!r} is not a token id of this vocabulary (0..{vocab_size - 1}); "
+                         f"save it again")
+    length, capacity, rows = (whole_number(path, fields, name) for name in ("length", "capacity", "rows"))
+    if rows != 1 or length != len(tokens):
+        raise ValueError(f"{path} holds {rows} rows and its length {length} positions for {len(tokens)} tokens: a "
+                         f"file holds one row, one position a token")
+    if not 0 < capacity < LARGEST_CAPACITY or length > capacity:
+        raise ValueError(f"{path}: its length {length} exceeds its capacity {capacity}, or the capacity is out of "
+                         f"range; save it again")
+    return Saved(tokens, int(anchor), length, capacity)
 
 
 def check_pair(path: Path, fields: dict, here: dict) -> None:

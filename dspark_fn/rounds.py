@@ -28,7 +28,6 @@ under the constrained target being 0).
 """
 
 from functools import lru_cache
-from typing import Callable
 
 import mlx.core as mx
 import numpy as np
@@ -36,7 +35,7 @@ import numpy as np
 from . import rng
 from .accept import Verdict, accept
 from .buffers import check_free_slots
-from .cache import Cache, settle
+from .cache import Cache, device_state, settle, write_tokens
 from .drafts.heads import DRAFT_VOCAB_KEY, draft_chain
 from .kernel import compiled
 from .rng import uniforms
@@ -129,7 +128,7 @@ def verify_and_commit(params: Params, cache: Cache, block: mx.array, draft_log_p
     draft_state = spec.draft_arch.extend_context(spec.draft, params.draft, cache.draft, features, cache.length)
     committed = verdict.accepted + 1 if active is None else mx.where(active, verdict.accepted + 1, 0)
     settled = Cache(target=settle(target_kv, committed), draft=draft_state, length=cache.length + committed,
-                    seeds=cache.seeds)
+                    seeds=cache.seeds, history=write_tokens(cache.history, block, cache.length))
     return settled, verdict, logits
 
 
@@ -175,7 +174,7 @@ def _verify_kernel(spec: PairSpec, width: int, mode: Mode, top_log_probs: int | 
     return compiled("verify", verify_)
 
 
-# ---- 4. the round as the API offers it
+# ---- 4. the kernels as the API offers them (``policy.speculate`` chooses what they run)
 
 
 def check_width(spec: PairSpec, width: int) -> None:
@@ -188,7 +187,7 @@ def propose(params: Params, cache: Cache, tokens: mx.array, sampling=GREEDY, mas
     each slot's allowed tokens, ``[B, G, ceil(V/32)]`` bits, default all)."""
     rows, mode = batch_sampling(sampling, tokens.shape[0])
     masks = mask_bits(masks, (tokens.shape[0], params.spec.block_size), params.spec.target.vocab_size)
-    return _draft_kernel(params.spec, mode)(params.target, params.draft, cache, tokens, rows, masks)
+    return _draft_kernel(params.spec, mode)(params.target, params.draft, device_state(cache), tokens, rows, masks)
 
 
 def no_proposal(batch_size: int) -> Proposal:
@@ -233,7 +232,7 @@ def verify(params: Params, cache: Cache, tokens: mx.array, proposal: Proposal, w
     """
     check_width(params.spec, width)
     if check_room:
-        check_free_slots(cache, width)
+        check_free_slots(cache.capacity, np.array(cache.length), width)
     batch = tokens.shape[0]
     rows, mode = batch_sampling(sampling, batch)
     limit = mx.full((batch,), width - 1, mx.int32) if limit is None else limit
@@ -245,32 +244,10 @@ def verify(params: Params, cache: Cache, tokens: mx.array, proposal: Proposal, w
     draft_log_probs = proposal.log_probs if mode.sampled else mx.zeros((0,))
     masks = mask_bits(masks, (batch, width), params.spec.target.vocab_size)
     kernel = _verify_kernel(params.spec, width, mode, top_log_probs)
-    return kernel(params.target, params.draft, cache, tokens, proposal.tokens.astype(mx.int32), draft_log_probs,
-                  copies._replace(tokens=copies.tokens.astype(mx.int32)), rows, limit, active, masks)
-
-
-def speculate(params: Params, cache: Cache, tokens: mx.array, *, width: int | None = None, sampling=GREEDY,
-              limit: mx.array | None = None, active: mx.array | None = None,
-              masks: Callable[[np.ndarray], np.ndarray] | None = None, draft_masks=None) -> tuple[Cache, Round]:
-    """One DSpark round from the anchors ``tokens [B]``: draft, verify ``width``
-    tokens (anchor + ``width - 1`` drafts), accept, commit. ``sampling`` is one
-    ``Sampling`` for every row or one per row.
-
-    Constrained rows: ``draft_masks`` (bits ``[B, G, ceil(V/32)]``) constrain
-    the draft's slots; ``masks`` maps the drafted tokens ``[B, width - 1]``
-    to the bits of every verified position (``verify``), e.g.
-    ``functools.partial(constraints.verify_masks, matchers, vocab_size=V)``;
-    it reads the drafted tokens from the device, between the two kernels.
-
-    Returns ``(cache, Round)``; ``Round.next_tokens`` are the next anchors.
-    Without ``masks`` only the room check reads from the device.
-    """
-    width = params.spec.block_size + 1 if width is None else width
-    check_width(params.spec, width)
-    proposal = propose(params, cache, tokens, sampling, draft_masks) if width > 1 else no_proposal(tokens.shape[0])
-    verified = None if masks is None else masks(np.array(proposal.tokens[:, : width - 1]))
-    return verify(params, cache, tokens, proposal, width, sampling=sampling, limit=limit, active=active,
-                  masks=verified)
+    committed, result = kernel(params.target, params.draft, device_state(cache), tokens,
+                               proposal.tokens.astype(mx.int32), draft_log_probs,
+                               copies._replace(tokens=copies.tokens.astype(mx.int32)), rows, limit, active, masks)
+    return committed._replace(policy=cache.policy), result
 
 
 def verify_block(params: Params, cache: Cache, block: mx.array, *, draft_log_probs: mx.array | None = None,

@@ -25,11 +25,22 @@ counts, about 200 bytes): past ``capacity`` the least recently used entry
 dictionary, so a use, an update and an eviction each cost O(1) (an update
 also re-ranks that context's continuations, O(its continuations)).
 
+A context keeps at most ``MOST_CONTINUATIONS`` continuations (a new one
+past them takes the least frequent one's place), so learning an answer
+costs the same however its contexts were fed.
+
 A store file is one ``.npz`` of flat arrays, written whole or not at all,
 that records the vocabulary size and the identity of the target whose
 answers it holds: tokens of another tokenizer would match by accident and
 propose garbage, so ``load`` refuses a file made for another, as it
-refuses a file that is torn, corrupt or of another format version.
+refuses a file that is torn, corrupt or of another format version. A file
+is input: before any array is read, each member's header must describe
+exactly the bytes the archive says it holds, in an unsigned integer type
+(a token id cannot be negative), and all of them together at most
+``LARGEST_FILE`` bytes, so a crafted archive (a deflate bomb, a header
+that claims 2^40 elements) is refused before anything large is allocated;
+then the arrays must describe whole entries, ``longest`` at most
+``LONGEST_CONTEXT``.
 """
 
 import zipfile
@@ -48,6 +59,9 @@ LONGEST = 4  # longer contexts cost entries and add nothing measured (copying.LO
 CAPACITY = 1 << 19  # entries: about 100 MB, twice the shipped store
 FLOOR = 1  # a continuation seen once is proposed (the planner's rates per match length judge it)
 FORMAT = 1  # version of the file layout
+LONGEST_CONTEXT = 16  # the longest context a store may keep (learning costs a dictionary write per length)
+MOST_CONTINUATIONS = 1024  # continuations a context keeps (the shipped store's most: 791)
+LARGEST_FILE = 256 << 20  # bytes of arrays a store file may hold (the shipped one: 6 MB)
 DEFAULT_STORE = Path(__file__).parent / "default_store" / "store.npz"
 DEFAULT_IDENTITY = "smollm2-135m"  # the embedded default target (catalog.DEFAULT_ALIAS), whose answers it holds
 
@@ -69,8 +83,8 @@ class Store:
 
     def __init__(self, vocab_size: int, identity: str, longest: int = LONGEST, capacity: int = CAPACITY,
                  floor: int = FLOOR, entries: OrderedDict | None = None):
-        if not SHORTEST <= longest:
-            raise ValueError(f"contexts must be of at least {SHORTEST} tokens, got longest={longest}")
+        if not SHORTEST <= longest <= LONGEST_CONTEXT:
+            raise ValueError(f"contexts must be of {SHORTEST} to {LONGEST_CONTEXT} tokens, got longest={longest}")
         if capacity < 1 or floor < 1 or vocab_size < 1:
             raise ValueError(f"capacity, floor and vocab_size must be positive, got {capacity}, {floor}, {vocab_size}")
         self.vocab_size, self.identity = vocab_size, identity
@@ -183,6 +197,9 @@ def counted(counts: tuple, token: int) -> tuple:
     place = tokens.index(token) if token in tokens else len(tokens)
     count = counts[2 * place + 1] + 1 if place < len(tokens) else 1
     rest = counts[: 2 * place] + counts[2 * place + 2 :]
+    if len(rest) >= 2 * MOST_CONTINUATIONS:  # full: the least frequent continuation makes room
+        rest = rest[: 2 * MOST_CONTINUATIONS - 2]
+        place = min(place, len(rest) // 2)
     while place and (count, -token) > (rest[2 * place - 1], -rest[2 * place - 2]):
         place -= 1
     return rest[: 2 * place] + (token, count) + rest[2 * place :]
@@ -248,18 +265,49 @@ FIELDS = ("format", "vocab_size", "identity", "longest", "context_lengths", "con
 
 def _read_npz(path: Path) -> dict:
     """The store's arrays at ``path``; a torn or corrupt archive (each member
-    carries a checksum) or one that lacks a field raises ``ValueError``."""
+    carries a checksum), one that lacks a field, or one whose members'
+    headers do not describe what they hold (``_check_members``) raises
+    ``ValueError`` before any array is read."""
     try:
+        with zipfile.ZipFile(path) as archive:
+            _check_members(path, archive)
         with np.load(path, allow_pickle=False) as stored:
-            arrays = {name: stored[name] for name in FIELDS if name in stored.files}
+            arrays = {name: stored[name] for name in FIELDS}
     except FileNotFoundError:
         raise
     except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as error:
+        if str(error).startswith(str(path)):
+            raise
         raise ValueError(f"{path} is torn or corrupt ({error})") from error
-    missing = [name for name in FIELDS if name not in arrays]
+    return arrays
+
+
+TEXT_FIELDS = ("identity",)
+
+
+def _check_members(path: Path, archive: zipfile.ZipFile) -> None:
+    """Every field is a member whose ``.npy`` header describes exactly the
+    bytes the archive says it holds, in an unsigned integer type (the
+    identity: text), and all members together hold at most ``LARGEST_FILE``
+    bytes: read from the headers, before any array is."""
+    members = {info.filename.removesuffix(".npy"): info for info in archive.infolist()}
+    missing = [name for name in FIELDS if name not in members]
     if missing:
         raise ValueError(f"{path} is no store file: it lacks {', '.join(missing)}")
-    return arrays
+    total = sum(members[name].file_size for name in FIELDS)
+    if total > LARGEST_FILE:
+        raise ValueError(f"{path} holds {total} bytes of arrays, more than a store file may ({LARGEST_FILE})")
+    for name in FIELDS:
+        with archive.open(members[name]) as member:
+            version = np.lib.format.read_magic(member)
+            read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
+                np.lib.format.read_array_header_2_0
+            shape, _, dtype = read_header(member)
+            size = member.tell() + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        wanted = "U" if name in TEXT_FIELDS else "u" if name not in ("format", "vocab_size", "longest") else "ui"
+        if dtype.kind not in wanted or size != members[name].file_size:
+            raise ValueError(f"{path}: its {name} is {dtype} {tuple(shape)} in {members[name].file_size} bytes, not "
+                             f"{'text' if wanted == 'U' else 'unsigned integers'} filling them: not a store file")
 
 
 def _check_header(path, arrays: dict, vocab_size: int, identity: str) -> None:
@@ -270,8 +318,11 @@ def _check_header(path, arrays: dict, vocab_size: int, identity: str) -> None:
                          f"not {vocab_size}: its proposals would be another tokenizer's")
     if str(arrays["identity"]) != identity:
         raise ValueError(f"{path} holds the answers of {str(arrays['identity'])!r}, not of {identity!r}")
-    if int(arrays["longest"]) < SHORTEST:
-        raise ValueError(f"{path} stores contexts of up to {int(arrays['longest'])} tokens, fewer than {SHORTEST}")
+    if not SHORTEST <= int(arrays["longest"]) <= LONGEST_CONTEXT:
+        raise ValueError(f"{path} stores contexts of up to {int(arrays['longest'])} tokens, not {SHORTEST} to "
+                         f"{LONGEST_CONTEXT}")
+    if int(arrays["vocab_size"]) < 1 or int(arrays["format"]) < 0:
+        raise ValueError(f"{path} is inconsistent: a vocabulary of {int(arrays['vocab_size'])} tokens")
 
 
 def _check_layout(path, arrays: dict, lengths: np.ndarray, continuations: np.ndarray) -> None:
@@ -280,9 +331,11 @@ def _check_layout(path, arrays: dict, lengths: np.ndarray, continuations: np.nda
     positive."""
     vocab_size, longest = int(arrays["vocab_size"]), int(arrays["longest"])
     tokens, counts = arrays["next_tokens"].astype(np.int64), arrays["next_counts"].astype(np.int64)
-    if len(continuations) != len(lengths) or ((lengths < SHORTEST) | (lengths > longest)).any():
-        raise ValueError(f"{path} is inconsistent: its contexts' lengths do not match its continuation lists "
-                         f"or lie outside {SHORTEST}..{longest}")
+    if len(continuations) != len(lengths) or ((lengths < SHORTEST) | (lengths > longest)).any() or (
+            continuations > MOST_CONTINUATIONS).any():
+        raise ValueError(f"{path} is inconsistent: its contexts' lengths do not match its continuation lists, "
+                         f"lie outside {SHORTEST}..{longest}, or a context has more than {MOST_CONTINUATIONS} "
+                         f"continuations")
     if lengths.sum() != len(arrays["context_tokens"]) or (continuations < 1).any() or (
             continuations.sum() != len(tokens) or len(tokens) != len(counts)):
         raise ValueError(f"{path} is inconsistent: its tokens do not add up to its contexts and continuations")

@@ -188,6 +188,8 @@ class Round(NamedTuple):
     accepted: mx.array  # [B]
     drafted: mx.array  # [B, W - 1] the proposals that were verified
     scores: TokenLogProbs | None = None  # [B, W] at each emitted position, when asked (``top_log_probs``)
+    limits: np.ndarray | None = None  # [B] the proposals each row could keep (``speculate``'s plan)
+    sources: tuple = ()  # per row: what it verified, "draft", a point source's name or "" (``speculate``)
 
 
 class Event(NamedTuple):

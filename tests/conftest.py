@@ -1,15 +1,24 @@
-import dspark_fn  # noqa: F401  first, before any test module loads mlx: OpenBLAS then serves MLX (blas.py)
-
-import faulthandler
 import os
-import signal
-import sys
+import tempfile
 
-import pytest
+# The suite writes nothing outside temporary folders: what dspark_fn keeps (and the hub's cache) goes to one of
+# its own, set before dspark_fn is imported (its OpenBLAS may be placed there) and inherited by child processes.
+SCRATCH = tempfile.mkdtemp(prefix="dspark-tests-")
+os.environ["DSPARK_FN_CACHE"] = os.path.join(SCRATCH, "dspark_fn")
+os.environ["HF_HOME"] = os.path.join(SCRATCH, "huggingface")
 
-from dspark_fn.constraints import compile_constraint
-from grammars import CONSTRAINTS, JSON_PIECES, JSON_VOCAB, vocabulary
-from helpers import PARITY, missing_prerequisite
+import dspark_fn  # noqa: E402,F401  first, before any test module loads mlx: OpenBLAS then serves MLX (blas.py)
+
+import faulthandler  # noqa: E402
+import shutil  # noqa: E402
+import signal  # noqa: E402
+import sys  # noqa: E402
+
+import pytest  # noqa: E402
+
+from dspark_fn.constraints import compile_constraint  # noqa: E402
+from grammars import CONSTRAINTS, JSON_PIECES, JSON_VOCAB, vocabulary  # noqa: E402
+from helpers import PARITY, missing_prerequisite  # noqa: E402
 
 # a hung server test fails after this, instead of stalling the run
 SERVER_TEST_SECONDS = int(os.environ.get("DSPARK_SERVER_TEST_SECONDS", "300"))
@@ -69,6 +78,7 @@ def pytest_unconfigure(config):
     shorter), every stack printed."""
     if config.stash.get(SERVER_TESTS_RAN, False):
         faulthandler.dump_traceback_later(min(60, SERVER_TEST_SECONDS), exit=True, file=config.stash[STDERR])
+    shutil.rmtree(SCRATCH, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

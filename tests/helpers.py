@@ -33,7 +33,7 @@ def missing_prerequisite(reason: str, module_level: bool = False) -> None:
     pytest.skip(reason, allow_module_level=module_level)
 
 
-PARITY = Path(os.environ.get("DSPARK_PARITY_DIR", Path(__file__).resolve().parents[2] / "shared" / "parity"))
+PARITY = Path(os.environ.get("DSPARK_PARITY_DIR", Path(__file__).resolve().parent / "fixtures" / "parity"))
 
 
 def target_config(model_type="qwen3", vocab=256, hidden=64, layers=6, heads=4, kv_heads=2, head_dim=16, tied=True):
@@ -225,7 +225,7 @@ def drive_proposals(model, params, vocab: int, prompts: list, kind: str, new_tok
     return streams, r
 
 
-# ---- parity replays against the DeepSpec reference traces (../shared/parity/<case>)
+# ---- parity replays against the DeepSpec reference traces (tests/fixtures/parity/<case>)
 
 PARITY_CAPACITY = 128
 

@@ -108,15 +108,24 @@ def test_prompt_longer_than_capacity(case):
 
 def test_a_cache_without_room_is_refused_and_left_untouched(case):
     """Only row 1 lacks the room for a width-8 verify: the call raises, names
-    that row, and the cache it was given still decodes as before."""
+    that row, and the cache it was given still decodes as before; a width
+    the policy chooses stays within the room, until a row has none."""
     params = load(case)
     cache, tokens = dspark_fn.prefill(params, dspark_fn.init_cache(params, 2, 64), [[1, 2, 3], [4] * 60])
     with pytest.raises(ValueError, match=r"cache row\(s\) \[1\] have \[4\] free slot\(s\) but a verify of width 8"):
-        dspark_fn.speculate(params, cache, tokens)
+        dspark_fn.speculate(params, cache, tokens, width=8)
     with pytest.raises(ValueError, match=r"grow the cache first"):
         dspark_fn.verify_block(params, cache, mx.array([[1] * 8, [2] * 8], mx.int32))
     cache, result = dspark_fn.speculate(params, cache, tokens, width=4)  # fits: 4 free slots
     assert cache.length.tolist()[1] == 60 + result.count.tolist()[1]
+    chosen, tokens = cache, result.next_tokens
+    while int(chosen.length[1]) < 64:
+        free = 64 - int(chosen.length[1])
+        chosen, step = dspark_fn.speculate(params, chosen, tokens)
+        assert step.emitted.shape[1] <= free
+        tokens = step.next_tokens
+    with pytest.raises(ValueError, match=r"cache row\(s\) \[1\] have \[0\] free slot\(s\).*grow the cache first"):
+        dspark_fn.speculate(params, chosen, tokens)
     grown = dspark_fn.grow_cache(params, cache, 128)
     assert grown.capacity == 128 and grown.length.tolist() == cache.length.tolist()
     dspark_fn.speculate(params, grown, result.next_tokens)

@@ -138,15 +138,6 @@ def test_importing_mlx_first_warns_once_and_names_the_fix(cache):
     assert quiet["stderr"] == "" and quiet["how"] == "DSPARK_NO_OPENBLAS is set"
 
 
-def test_cost_curves_are_kept_per_blas(cache):
-    """Each BLAS gets its own cost curve: it is part of the key."""
-    code = "import dspark_fn.costs as c; print(c.device_key())"
-    keys = {run_python(cache, code, **env).stdout.strip() for env in ({"DSPARK_NO_OPENBLAS": "1"}, {})}
-    if blas.choose(None, blas.system_openblas(), blas.pip_openblas()) is not None:
-        assert len(keys) == 2, keys
-    assert any(key.endswith("|bundled BLAS") for key in keys)
-
-
 def test_a_library_that_cannot_multiply_is_refused_and_the_refusal_kept(tmp_path, monkeypatch):
     library, gfortran = blas.pip_openblas(), blas.wheel_gfortran()
     if library is None or gfortran is None:

@@ -31,7 +31,7 @@ import pytest
 
 import dspark_fn
 from dspark_fn import driver, rounds
-from dspark_fn import sources as proposing
+from dspark_fn import policy as proposing
 from dspark_fn.buffers import capacity_for
 from dspark_fn.constraints import Constraint, compile_constraint
 from dspark_fn.kernel import TRACE_COUNTS
@@ -197,9 +197,10 @@ def test_forced_tokens_are_verified_without_a_draft_pass(pair, vocab, references
             forced += len(step.drafted[0])
     assert stream == truth
     assert forced > len(truth) / 2, (forced, len(truth))
-    forced_kind = decoder.planner.rate_row(decoder.planner.names.index("forced"), 1)
-    rates = decoder.planner.rates
-    assert (rates.acceptance[forced_kind] == 1).all() and rates.observed[forced_kind, 0] > 0
+    policy = decoder.cache.policy
+    forced_kind = policy.kinds.kind(policy.kinds.names.index("forced"), 1)
+    rates = policy.rates
+    assert (rates.acceptance[0, forced_kind] == 1).all() and rates.observed[0, forced_kind, 0] > 0
 
 
 @pytest.mark.parametrize("text", ["a", "ab"])

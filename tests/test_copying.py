@@ -1,24 +1,25 @@
-"""Copies of the context as a second proposal source: the index, the choice
-between sources, and rounds that verify copies, drafts or both, lossless.
+"""Copies of the context as a second proposal source: the index and the
+kernel that matches on the device, the choice between sources, and rounds
+that verify copies, drafts or both, lossless.
 
 Breaks tried, and the tests that catch them:
 - a copied block off by one position (``CopyIndex.extend`` records each
   n-gram's continuation one position early): test_index_equals_a_brute_force_search,
-  test_lookup_by_hand, test_copies_continue_the_committed_text,
+  test_lookup_by_hand; in the kernel (``match_copies`` follows ``latest + 2``):
+  test_the_kernel_equals_the_index, test_copies_continue_the_committed_text,
   test_greedy_equals_the_target[*-repeats everything-auto],
-  test_a_hybrid_target_rolls_back_after_copies and the rate and draft-pass tests;
+  test_a_hybrid_target_rolls_back_after_copies;
+- the history written at the wrong slots (``write_tokens`` one slot late in
+  the verify): test_copies_continue_the_committed_text;
 - a copy accepted without checking the target (the verify kernel keeps every
   copied token, ``accepted = where(copying, limit, accepted)``):
   test_greedy_equals_the_target, test_a_mixed_batch_equals_the_target,
   test_copies_continue_the_committed_text, test_a_hybrid_target_rolls_back_after_copies
   (sampled: test_sampling's control "copy accepted without checking the target",
   ``point_mass`` at -inf everywhere);
-- the index not updated after a rollback (``Decoder.step`` indexes each
-  row's verified block, rejected proposals included, instead of the
-  committed tokens): test_copies_continue_the_committed_text;
-- copies rated only when verified (``Planner.learn`` scores the copies of
+- copies rated only when verified (``speculate`` scores the offers of
   copying rows alone): test_copies_rated_poor_recover_without_being_verified;
-- the draft launched in rounds where every row copies (``Planner.sources``
+- the draft launched in rounds where every row copies (``choose_sources``
   without the check for a row that takes the draft):
   test_a_round_of_copies_runs_no_draft_pass.
 """
@@ -34,9 +35,9 @@ import pytest
 
 import dspark_fn
 from dspark_fn import CostCurve
-from dspark_fn.copying import LONGEST_MATCH, SHORTEST_MATCH, CopyIndex
+from dspark_fn.copying import LONGEST_MATCH, SHORTEST_MATCH, CopyIndex, match_copies
 from dspark_fn.kernel import TRACE_COUNTS
-from dspark_fn.schedule import DRAFTED, NOTHING, Offers, SlotRates, source_speeds
+from dspark_fn.schedule import DRAFTED, NOTHING, Offers, SlotRates, point_outcomes, source_speeds
 from dspark_fn.stats import Tally, combined
 from helpers import (
     build_bigram_draft, build_draft, build_pair, build_target, damp_attention, draft_config, mlx_lm_greedy,
@@ -92,31 +93,51 @@ def test_lookup_by_hand():
         CopyIndex([], longest=1, shortest=2)
 
 
+@pytest.mark.parametrize("vocab", [2, 3, 40])
+def test_the_kernel_equals_the_index(vocab):
+    """The device kernel's offer for every row (any length, stale tokens past
+    it) is the host index's over the row's context: its committed history
+    and its anchor."""
+    rng = np.random.default_rng(vocab)
+    capacity, rows = 48, 6
+    for _ in range(10):
+        lengths = rng.integers(0, capacity, size=rows)
+        history = rng.integers(0, vocab, size=(rows, capacity)).astype(np.int32)
+        anchors = rng.integers(0, vocab, size=rows).astype(np.int32)
+        found = match_copies(mx.array(history), mx.array(lengths, mx.int32), mx.array(anchors), 5)
+        for row in range(rows):
+            expected = CopyIndex(history[row, : lengths[row]].tolist() + [int(anchors[row])]).lookup(5)
+            assert int(found.match[row]) == expected.match
+            if expected.match:
+                assert found.tokens[row].tolist() == expected.tokens
+
+
 def test_copies_are_rated_whether_verified_or_not():
     """Each copy is scored against what its row committed: slot k counts
     where the copy's first k tokens were committed and slot k was."""
-    rates = SlotRates.start(4, point_kinds=2)
+    rates = SlotRates.start(4, kinds=3, slots=4)
     matches = [2, 0, 1, 2]
     copies = [[7, 8, 9, 9], [1, 1, 1, 1], [3, 4, 5, 6], [7, 1, 2, 3]]
     committed = [[7, 8, 5], [1], [3, 4], [6]]  # row 2 kept both it could show; row 1 has no copy
-    rates.observe_points(matches, copies, committed)
-    assert rates.acceptance[2].tolist() == [0.5, 1.0, 0.0, 1.0]  # slot 0: 7 vs 7, 7 vs 6; then row 0 alone
-    assert rates.observed[2].tolist() == [2, 1, 1, 0]
-    assert rates.acceptance[1].tolist() == [1.0, 1.0, 1.0, 1.0] and rates.observed[1].tolist() == [1, 1, 0, 0]
-    assert rates.observed[DRAFTED].sum() == 0
+    rates = rates.learned(point_outcomes(matches, copies, committed))
+    assert rates.acceptance[0, 2].tolist() == [1.0, 1.0, 0.0, 1.0]  # 7, 8 kept; 5 for 9
+    assert rates.acceptance[3, 2].tolist() == [0.0, 1.0, 1.0, 1.0]  # 6 for 7
+    assert rates.observed[:, 2].tolist() == [[1, 1, 1, 0], [0] * 4, [0] * 4, [1, 0, 0, 0]]
+    assert rates.acceptance[2, 1].tolist() == [1.0] * 4 and rates.observed[2, 1].tolist() == [1, 1, 0, 0]
+    assert rates.observed[:, DRAFTED].sum() == 0 and rates.observed[1].sum() == 0
 
 
 def test_sources_follow_the_measured_rates():
     """Good copies and a poor draft: no draft pass. A good draft and poor
     short copies: the draft runs, and only rows whose copies match longer
     endings (measured better than the draft) verify them."""
-    rates = SlotRates.start(4, point_kinds=4)
+    rates = SlotRates.start(3, kinds=5, slots=4)
     active, buckets = np.ones(3, bool), (1, 2, 3, 4, 5)
-    rates.acceptance[DRAFTED] = 0.1
+    rates.acceptance[:, DRAFTED] = 0.1
     speeds = source_speeds(rates, copy_offers([4, 0, 2]), active, COSTS, buckets, 4)
     assert speeds.without > speeds.drafting
-    rates.acceptance[DRAFTED] = 0.8
-    rates.acceptance[1] = 0.1
+    rates.acceptance[:, DRAFTED] = 0.8
+    rates.acceptance[:, 1] = 0.1
     speeds = source_speeds(rates, copy_offers([1, 0, 4]), active, COSTS, buckets, 4)
     assert speeds.drafting > speeds.without
     assert speeds.points.tolist() == [NOTHING, NOTHING, 0]
@@ -236,7 +257,7 @@ def test_a_mixed_batch_equals_the_target(echo, new_tokens):
 def test_copies_continue_the_committed_text(pair, proposals):
     """Every copy a row verified is the brute-force continuation of its
     committed text (prompt and emitted tokens, nothing rejected), and the
-    index holds exactly that text."""
+    cache's history holds exactly that text up to each row's anchor."""
     model, params = pair
     prompts = [random_prompt(np.random.default_rng(seed), 9 + 11 * seed, CONFIG["vocab_size"]) for seed in range(3)]
     decoder = dspark_fn.Decoder(params, 3, width="auto", costs=COSTS, proposals=proposals)
@@ -250,7 +271,9 @@ def test_copies_continue_the_committed_text(pair, proposals):
                 copies += 1
             texts[tag] += emitted
     assert copies > 5
-    assert [row.followers[1].tokens for row in decoder.rows] == texts  # the copy index (default_sources: forced, copy)
+    history = np.array(decoder.cache.history)
+    assert [history[row, : len(text) - 1].tolist() + [text[-1]] for row, text in enumerate(texts)] == texts
+    assert decoder.tokens.tolist() == [text[-1] for text in texts]
     assert all(text[len(p):] == mlx_lm_greedy(model, p, len(text) - len(p)) for p, text in zip(prompts, texts))
 
 
@@ -336,7 +359,7 @@ def test_a_round_of_copies_runs_no_draft_pass(unique_echo, monkeypatch):
     """A round in which every row verifies a copy launches no draft; with
     proposals="copy" the draft never runs."""
     params, stream = unique_echo
-    proposing = importlib.import_module("dspark_fn.sources")
+    proposing = importlib.import_module("dspark_fn.policy")
     calls = []
     real = proposing.propose
 
@@ -369,7 +392,10 @@ def test_copies_rated_poor_recover_without_being_verified(echo):
     _, params, cycle = echo
     decoder = dspark_fn.Decoder(params, 3, costs=COSTS)
     decoder.start(mixed_prompts(cycle))
-    decoder.planner.rates.acceptance[1:] = 0.0
+    policy = decoder.cache.policy
+    acceptance = policy.rates.acceptance.copy()
+    acceptance[:, 1:] = 0.0
+    decoder.cache = decoder.cache._replace(policy=policy._replace(rates=policy.rates._replace(acceptance=acceptance)))
     sources = [decoder.step().sources for _ in range(12)]
     assert "copy" not in sources[0] and any("copy" in step for step in sources)
 

@@ -1,4 +1,4 @@
-"""Parity with the DeepSpec reference traces in ../shared/parity (qwen3 and gemma4 cases).
+"""Parity with the DeepSpec reference traces in tests/fixtures/parity (qwen3 and gemma4 cases).
 
 gemma4_tiny mixes sliding and full-attention target layers with K=V full
 layers, a softcap and non-unit ``layer_scalar``s; its draft uses the target's

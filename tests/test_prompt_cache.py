@@ -28,6 +28,7 @@ class FakeCache(NamedTuple):
     length: mx.array
     recurrent: bool
     tokens: tuple
+    history: mx.array = mx.zeros((0,), mx.int32)  # no bytes: each entry's size is its target's
 
 
 def fake_cache(tokens, size: int = 10, recurrent: bool = False, length: int | None = None) -> FakeCache:

@@ -239,6 +239,50 @@ def another_version(tensors, fields):
     fields["version"] = "99"
 
 
+def forged(**changes):
+    """A file whose metadata fields take ``changes`` (None: the field gone),
+    its checksum made anew: what anyone can write, since the checksum is a
+    plain digest."""
+    def change(tensors, fields):
+        for name, value in changes.items():
+            if value is None:
+                fields.pop(name)
+            else:
+                fields[name] = value(fields) if callable(value) else value
+        fields["checksum"] = checksum(fields, tensors)
+    return change
+
+
+def swapped_prompt(fields) -> str:
+    """Another prompt of the same length, each token one higher."""
+    return json.dumps([token + 1 for token in json.loads(fields["tokens"])])
+
+
+FORGERIES = {  # each an edited file whose checksum was recomputed
+    "an anchor past the vocabulary": (forged(anchor=str(10**6)), r"anchor .*1000000.* not a token id"),
+    "a negative anchor": (forged(anchor="-3"), r"anchor .*-3.* not a token id"),
+    "an anchor that is not a number": (forged(anchor="seven"), r"anchor .*'seven'.* not a token id"),
+    "a token past the vocabulary": (forged(tokens=lambda f: json.dumps([10**6] + json.loads(f["tokens"])[1:])),
+                                    r"tokens .* not token ids"),
+    "tokens that are not a list": (forged(tokens='{"a": 1}'), r"tokens .* not token ids"),
+    "a length past the capacity": (forged(length="200", capacity="64", tokens=json.dumps([1] * 200)),
+                                   r"its length 200 exceeds its capacity 64"),
+    "a length past the tokens": (forged(length="41"), r"its length 41 positions for 40 tokens"),
+    "a huge length": (forged(length=str(10**30)), r"its length '1000000000000000000000000000000' is not a whole"),
+    "no anchor": (forged(anchor=None), r"no anchor"),
+    "no length": (forged(length=None), r"no length"),
+    "a capacity that is not a number": (forged(capacity="wide"), r"capacity 'wide'"),
+    "a keyed file loaded without its key": (forged(keyed="hmac-sha256"), r"signed with a key: give load_prompt_cache"),
+}
+
+
+def forged_case(change):
+    return lambda f, folders: (rewritten(f, change), None)
+
+
+REFUSALS_FORGED = {name: (forged_case(change), message) for name, (change, message) in FORGERIES.items()}
+
+
 REFUSALS = {
     "another target": (lambda f, folders: (f, load_pair(folders["other"][0], folders["plain"][1])),
                        "saved for another target .* load the target it was saved with"),
@@ -258,7 +302,7 @@ REFUSALS = {
                        "another layout .*no draft.1.0"),
     "no prompt cache": (lambda f, folders: (rewritten(f, lambda tensors, fields: fields.clear()), None),
                         "not a dspark_fn prompt-cache file"),
-}
+} | REFUSALS_FORGED
 
 
 def load_pair(target, draft, dtype=None):
@@ -281,6 +325,28 @@ def test_a_file_that_does_not_fit_is_refused(folders, pairs, saved, case):
     bad, other = make(saved, folders)
     with pytest.raises(ValueError, match=message):
         dspark_fn.load_prompt_cache(bad, other or pairs["plain"])
+
+
+def test_a_forged_file_passes_the_checksum_but_not_a_key(pairs, saved, tmp_path):
+    """The checksum detects damage, not tampering: a file whose metadata
+    names another prompt than its buffers hold, its checksum recomputed,
+    loads (as the prompt it names). Saved with a key, the same forgery is
+    refused, and so is the right file loaded with another key or none."""
+    params = pairs["plain"]
+    forgery = rewritten(saved, forged(tokens=swapped_prompt))
+    _, held, _ = dspark_fn.load_prompt_cache(forgery, params)
+    assert held == [token + 1 for token in prompt_of(params, PROMPT)]
+    cache, anchor = prefilled(params, prompt_of(params, PROMPT))
+    signed = dspark_fn.save_prompt_cache(tmp_path / "signed.safetensors", params, cache, prompt_of(params, PROMPT),
+                                         anchor, key=b"a secret")
+    _, held, _ = dspark_fn.load_prompt_cache(signed, params, key=b"a secret")
+    assert held == prompt_of(params, PROMPT)
+    with pytest.raises(ValueError, match="does not match the signature made with the key"):
+        dspark_fn.load_prompt_cache(rewritten(signed, forged(tokens=swapped_prompt)), params, key=b"a secret")
+    with pytest.raises(ValueError, match="does not match the signature made with the key"):
+        dspark_fn.load_prompt_cache(signed, params, key=b"another secret")
+    with pytest.raises(ValueError, match="signed with a key: give load_prompt_cache"):
+        dspark_fn.load_prompt_cache(signed, params)
 
 
 def test_saving_takes_the_tokens_the_row_holds_and_writes_whole(pairs, tmp_path):

@@ -128,10 +128,32 @@ def exact_first_three(model, sampling: Sampling) -> np.ndarray:
     return first[:, None, None] * second[:, :, None] * third
 
 
-def sampled_streams(params, sampling: Sampling, seed: int, **kwargs) -> tuple[np.ndarray, set, int]:
+def loop_streams(params, sampling: Sampling, seed: int) -> tuple[np.ndarray, set, int]:
+    """``sampled_streams`` through a loop of one's own over ``speculate``,
+    every round's width and sources chosen by the cache's policy (its costs
+    learned as the rounds run); a row that has its tokens goes idle."""
+    cache = dspark_fn.init_cache(params, SAMPLES, 24, seed=seed)
+    cache, tokens = dspark_fn.prefill(params, cache, [PROMPT] * SAMPLES, sampling=sampling)
+    streams, widths, mixed = np.full((SAMPLES, TOKENS + params.spec.block_size + 1), -1), set(), 0
+    streams[:, 0], counts = np.array(tokens), np.ones(SAMPLES, int)
+    while (counts < TOKENS).any():
+        cache, step = dspark_fn.speculate(params, cache, tokens, sampling=sampling, active=mx.array(counts < TOKENS))
+        emitted, count = np.array(step.emitted), np.array(step.count)
+        for row in np.flatnonzero(count):
+            streams[row, counts[row] : counts[row] + count[row]] = emitted[row, : count[row]]
+        counts += count
+        widths.add(step.emitted.shape[1])
+        mixed += {"copy", "draft"} <= set(step.sources)
+        tokens = step.next_tokens
+    return streams[:, :TOKENS], widths, mixed
+
+
+def sampled_streams(params, sampling: Sampling, seed: int, loop: bool = False, **kwargs) -> tuple[np.ndarray, set, int]:
     """``[SAMPLES, TOKENS]`` emitted tokens, the verify widths the rounds
     used, and the number of rounds in which some rows verified a copy and
-    others the draft."""
+    others the draft (``loop``: through ``loop_streams``)."""
+    if loop:
+        return loop_streams(params, sampling, seed)
     streams = [[] for _ in range(SAMPLES)]
     events = dspark_fn.generate(
         params, [PROMPT] * SAMPLES, TOKENS, sampling=sampling, seed=seed, capacity=24, **kwargs
@@ -253,6 +275,9 @@ CASES = {
     ),
     # a store of the target's greedy answers alone (``stored_answers``): point masses, often right
     "stored answers": ("bad", Sampling(1.0), dict(width=None, proposals="copy", sources=STORED)),
+    # a loop of one's own, ``speculate`` with no width: the policy in the cache chooses, at learned costs
+    "the loop's own policy": ("good", Sampling(1.0), dict(loop=True)),
+    "the loop's own policy, top-k top-p": ("flat", Sampling(0.8, top_k=6, top_p=0.9), dict(loop=True)),
 }
 
 
@@ -298,6 +323,8 @@ def test_every_position_matches_target_sampling(sampled):
         assert mixed, "no round verified copies and drafts side by side"
     if case == "stored answers":
         assert max(widths) > 1, "no round verified the store's proposals"
+    if case.startswith("the loop's own policy"):
+        assert len(widths) > 1, widths  # the policy chose more than one width
     pit = pit_values(model, outcomes, sampling, seed=len(case))
     for position in range(TOKENS):
         p_value = uniform_p_value(pit[:, position])
@@ -319,9 +346,13 @@ def test_top_p_keeps_the_most_likely_token():
     np.testing.assert_allclose(kept, [[1.0, 0.0, 0.0]])
 
 
-def test_same_seed_same_tokens_and_seeds_differ(models):
+@pytest.mark.parametrize("choices", [dict(width=4), dict(costs=CostCurve(0.5, {1: 1.0, 2: 1.1, 3: 1.2, 4: 1.5}))])
+def test_same_seed_same_tokens_and_seeds_differ(models, choices):
+    """A seed repeats its samples where the rounds' choices repeat: a fixed
+    width, or fixed costs (learned costs follow the machine's timing)."""
     _, pairs = models
-    runs = [speculative_tokens(pairs["good"], PROMPT, 40, sampling=Sampling(1.0), seed=s) for s in (1, 1, 2)]
+    runs = [speculative_tokens(pairs["good"], PROMPT, 40, sampling=Sampling(1.0), seed=s, **choices)
+            for s in (1, 1, 2)]
     assert runs[0] == runs[1]
     assert runs[0] != runs[2]
 
@@ -400,9 +431,14 @@ BROKEN = {
         "bad", Sampling(1.0), DRIVER, "point_mass", blind_copy,
     ),
 }
+BROKEN["accepts every draft, the loop's own policy"] = BROKEN["accepts every draft"]
+BROKEN["copy accepted without checking the target, the loop's own policy"] = BROKEN[
+    "copy accepted without checking the target"]
 PROPOSALS_OF = {  # the others break the draft's rounds
     "copy accepted without checking the target": dict(proposals="copy"),
     "stored continuation accepted without checking the target": dict(proposals="copy", sources=STORED),
+    "accepts every draft, the loop's own policy": dict(loop=True),
+    "copy accepted without checking the target, the loop's own policy": dict(loop=True),
 }
 CONTROLS = [("qwen3", name) for name in sorted(BROKEN) if name != "recurrent state not rolled back"] + [
     ("hybrid", name) for name in ("accepts every draft", "no residual, good draft", "recurrent state not rolled back")

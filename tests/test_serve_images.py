@@ -263,7 +263,7 @@ def test_images_to_a_text_target_are_refused(release):
         max_context, failure, dead, grammars = 512, None, False, None
         params = SimpleNamespace(vision=None, spec=SimpleNamespace(target=SimpleNamespace(model_type="qwen3",
                                                                                           vocab_size=1024)))
-        decoder = SimpleNamespace(planner=SimpleNamespace(max_width=1))
+        decoder = SimpleNamespace(widest=1)
 
         def stats(self):
             return {}

@@ -62,9 +62,8 @@ TOKENS = 80
 CALL_TOKENS = 200  # a call spelled in a tiny vocabulary: markers and keys take many tokens
 
 
-def costs(batch: int, widths: tuple) -> CostCurve:
-    """A fixed cost curve: the planner drafts while drafts pay, with no timing."""
-    return CostCurve(0.2, {width: 1.0 + 0.05 * width for width in widths})
+# fixed costs: the policy drafts while drafts pay, with no timing
+costs = CostCurve(0.2, {width: 1.0 + 0.05 * width for width in range(1, 33)})
 
 
 @pytest.fixture(scope="module")

@@ -307,23 +307,23 @@ def answered(engine: Engine, request: Request, wait: float = WAIT) -> list:
     return tokens
 
 
-def test_greedy_requests_keep_the_planners_rates_and_a_sampled_one_alone_starts_afresh(library):
-    """One greedy request after another: the planner's measured rates carry
+def test_greedy_requests_keep_the_policys_rates_and_a_sampled_one_alone_starts_afresh(library):
+    """One greedy request after another: the policy's measured rates carry
     on (a greedy answer does not depend on them; relearned per request, each
     would pay again for what does not pay). A sampled request alone in the
-    batch starts from a fresh planner: after greedy traffic its seeded
+    batch starts from nothing measured: after greedy traffic its seeded
     samples and measurements are those of a fresh engine."""
     params, _ = library
     sampled = dict(sampling=Sampling(temperature=1.0), seed=3)
     engine, fresh = new_engine(params), new_engine(params)
     try:
         first = answered(engine, Request(PROMPT, NEW_TOKENS))
-        once = engine.decoder.planner.rates.observed.sum()
+        once = engine.decoder.cache.policy.pooled.observed.sum()
         assert answered(engine, Request(PROMPT, NEW_TOKENS)) == first
-        assert engine.decoder.planner.rates.observed.sum() == 2 * once > 0  # a fixed width: the same rounds twice
+        assert engine.decoder.cache.policy.pooled.observed.sum() == 2 * once > 0  # a fixed width: the same rounds twice
         tokens = answered(engine, Request(PROMPT, NEW_TOKENS, **sampled))
         assert tokens == answered(fresh, Request(PROMPT, NEW_TOKENS, **sampled))
-        assert (engine.decoder.planner.rates.observed == fresh.decoder.planner.rates.observed).all()
+        assert (engine.decoder.cache.policy.pooled.observed == fresh.decoder.cache.policy.pooled.observed).all()
     finally:
         engine.close()
         fresh.close()

@@ -50,8 +50,7 @@ class ScriptedEngine:
     max_context, failure, dead = 4096, None, False
 
     class decoder:  # noqa: N801 - the attribute the app reads
-        class planner:  # noqa: N801
-            max_width = 1
+        widest = 1
 
     def __init__(self, tokenizer):
         self.tokenizer, self.replies, self.prompts = tokenizer, queue.Queue(), []

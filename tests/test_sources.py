@@ -3,13 +3,13 @@ package proposes through the same decoder, the store of past answers
 proposes and learns, and every row stays the target's greedy text.
 
 Breaks tried, and the tests that catch them:
-- the decoder ignoring a source's offers (``Proposers.choose`` gathering
-  from the bundled sources only): test_a_source_from_outside_the_package_proposes;
+- the policy ignoring a source's offers (``prepare`` gathering the copies
+  alone): test_a_source_from_outside_the_package_proposes;
 - a point source's offer verified without its tokens (``point_tokens``
   zero-filling every row): test_a_source_from_outside_the_package_proposes,
   test_the_store_proposes_what_it_learned (greedy streams differ);
 - a store never told of finished answers (``Decoder._end`` without
-  ``Proposers.finish``): test_the_store_proposes_what_it_learned;
+  ``learn``): test_the_store_proposes_what_it_learned;
 - ``dspark generate --store`` not saving the store: test_the_cli_saves_what_the_store_learned.
 (The sampled law under store proposals: test_sampling's "stored answers"
 case and its control "stored continuation accepted without checking the target".)
@@ -46,16 +46,17 @@ def pair(tmp_path_factory):
 
 class Oracle(PointSource):
     """A source the package does not know: it proposes the target's own
-    greedy continuation (known in advance) from the row's context, wrong in
-    every third proposal's second token."""
+    greedy continuation (known in advance) from the row's context (its
+    whole context fits the ending it reads), wrong in every third
+    proposal's second token."""
 
-    name, kinds = "oracle", 2
+    name, kinds, reach = "oracle", 2, 64
 
     def __init__(self, truths: dict):
         self.truths, self.offered = truths, 0
 
-    def follow(self, context: list, matcher) -> list:
-        return list(context)
+    def offers(self, endings: list, slots: int) -> list:
+        return [self.offer(ending, slots) for ending in endings]
 
     def offer(self, context: list, slots: int) -> Offer:
         for prompt, truth in self.truths.items():
@@ -67,9 +68,6 @@ class Oracle(PointSource):
                     proposal[1] = (proposal[1] + 1) % CONFIG["vocab_size"]
                 return Offer(proposal, 1 + self.offered % 2)
         return Offer([], 0)
-
-    def commit(self, context: list, tokens: list) -> None:
-        context.extend(tokens)
 
 
 @pytest.mark.parametrize("proposals", ["auto", "copy"])
@@ -90,7 +88,7 @@ def test_a_source_from_outside_the_package_proposes(pair, proposals):
     assert from_oracle and sum(e.accepted for e in from_oracle) > len(from_oracle)
     assert any(e.accepted < len(e.drafted) for e in from_oracle)  # the wrong tokens were refused
     if proposals == "copy":
-        assert {e.source for e in rounds} <= {"oracle", ""}
+        assert {e.source for e in rounds} <= {"oracle", "copy", ""}  # point sources only: no draft
 
 
 def test_the_decoder_is_small_and_names_no_source():
@@ -169,8 +167,8 @@ def test_stored_offers_are_rated_by_match_and_by_how_clearly_the_ending_went_on(
     are offered under different kinds, as are endings of different lengths."""
     store = build_store([[1, 2, 3, 4], [1, 2, 3, 4], [5, 6, 7], [5, 6, 8]], 16, "tiny")
     source = StoredAnswers(store)
-    clear, split, short = source.offer([1, 2, 3], 1), source.offer([5, 6], 1), source.offer([9, 2, 3], 1)
+    clear, split, short = source.offers([[1, 2, 3], [5, 6], [9, 2, 3]], 1)
     assert clear.tokens == [4] and split.tokens == [7] and short.tokens == [4]
     assert len({clear.kind, split.kind, short.kind}) == 3
     assert all(1 <= offer.kind <= source.kinds for offer in (clear, split, short))
-    assert source.offer([9, 9], 1) == Offer([], 0)
+    assert source.offers([[9, 9]], 1) == [Offer([], 0)]

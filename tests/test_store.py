@@ -22,7 +22,12 @@ Breaks tried, and the tests that catch them:
   through unwrapped; the identity, the vocabulary, the format or the
   ranking left unchecked: test_a_torn_corrupt_or_foreign_file_is_refused;
 - the shipped store's recorded identity changed (``DEFAULT_IDENTITY``):
-  test_the_shipped_store_proposes_the_corpus_text.
+  test_the_shipped_store_proposes_the_corpus_text;
+- the members' headers left unread before the arrays (``_check_members``
+  skipped): test_a_crafted_file_is_refused_before_anything_large_is_read
+  (the bomb allocates its 600 MB, the long header raises MemoryError);
+- no cap on a context's continuations (``counted`` without its check):
+  test_a_context_keeps_its_most_frequent_continuations.
 """
 
 import gzip
@@ -195,6 +200,71 @@ def test_a_torn_corrupt_or_foreign_file_is_refused(tmp_path):
     np.savez(tmp_path / "other.npz", weights=np.zeros(3))
     with pytest.raises(ValueError, match="no store file"):
         load(tmp_path / "other.npz", VOCAB, "toy")
+
+
+def crafted(path: Path, copy: str, name: str, chunks) -> Path:
+    """A copy of the store at ``path`` whose member ``name`` holds the bytes
+    of ``chunks`` (deflated as they come, never held whole)."""
+    with zipfile.ZipFile(path) as archive:
+        members = {info.filename: archive.read(info) for info in archive.infolist()}
+    del members[name + ".npy"]
+    with zipfile.ZipFile(path.with_name(copy), "w", zipfile.ZIP_DEFLATED) as archive:
+        for member, content in members.items():
+            archive.writestr(member, content)
+        with archive.open(name + ".npy", "w", force_zip64=True) as member:
+            for chunk in chunks:
+                member.write(chunk)
+    return path.with_name(copy)
+
+
+def copied(path: Path, name: str) -> Path:
+    copy = path.with_name(name)
+    copy.write_bytes(path.read_bytes())
+    return copy
+
+
+def npy_header(dtype: str, shape: tuple) -> bytes:
+    """An ``.npy`` version-1 header for an array of ``dtype`` and ``shape``."""
+    text = repr({"descr": dtype, "fortran_order": False, "shape": shape}).encode()
+    text += b" " * (63 - (10 + len(text)) % 64) + b"\n"
+    return b"\x93NUMPY\x01\x00" + len(text).to_bytes(2, "little") + text
+
+
+def test_a_crafted_file_is_refused_before_anything_large_is_read(tmp_path):
+    """A deflate bomb (600 MB of zeros in a few hundred kilobytes), a
+    header claiming 2^40 elements over a few bytes, token ids of a signed
+    type (negative ids wrap to valid ones) and a longest context of 10^9
+    are each refused with one ``ValueError`` naming the field, with no
+    large allocation (the process stays far below the bomb's size)."""
+    import resource
+
+    path = build_store(random_sequences(random.Random(5), 20), VOCAB, "toy", longest=3).save(tmp_path / "store.npz")
+    zeros = bytes(1 << 20)
+    cases = {
+        "a deflate bomb": (crafted(path, "bomb.npz", "next_counts",
+                                   [npy_header("<u4", (150 << 20,))] + [zeros] * 600), "more than a store file may"),
+        "2^40 elements": (crafted(path, "long.npz", "next_counts", [npy_header("<u4", (1 << 40,)), bytes(16)]),
+                          "its next_counts is uint32 \\(1099511627776,\\)"),
+        "signed token ids": (rewritten(copied(path, "signed.npz"), next_tokens=np.array([-1] * 3, np.int16)),
+                             "its next_tokens is int16"),
+        "a huge longest": (rewritten(copied(path, "longest.npz"), longest=np.array(10**9)),
+                           "up to 1000000000 tokens, not 2 to 16"),
+    }
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    for name, (crafted_path, message) in cases.items():
+        with pytest.raises(ValueError, match=message):
+            load(crafted_path, VOCAB, "toy")
+        assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 200_000, name  # KiB: no 600 MB read
+
+
+def test_a_context_keeps_its_most_frequent_continuations(monkeypatch):
+    """Past ``MOST_CONTINUATIONS`` a new continuation takes the least
+    frequent one's place; the most frequent stays first."""
+    monkeypatch.setattr(store, "MOST_CONTINUATIONS", 3)
+    counts = ()
+    for token in [5, 5, 5, 6, 6, 7, 8, 9]:
+        counts = store.counted(counts, token)
+    assert counts[0:2] == (5, 3) and len(counts) == 6 and counts[2:4] == (6, 2)
 
 
 def test_the_shipped_store_proposes_the_corpus_text():

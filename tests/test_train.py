@@ -258,7 +258,7 @@ def test_training_forward_equals_inference_with_context_cut_at_anchor(setup):
         # inference: context = features of positions < a, the anchor token pending
         state = arch.init_context(spec, 1, length)
         state = arch.extend_context(spec, params.draft, state, features[:, :anchor], mx.zeros((1,), mx.int32))
-        cache = Cache(None, state, mx.array([anchor], mx.int32), row_seeds(0, 1))
+        cache = Cache(None, state, mx.array([anchor], mx.int32), row_seeds(0, 1), history=None)
         proposal = draft_block(params, cache, mx.array(tokens[:, anchor]))
         # teacher forcing with the drafted tokens makes both chains identical
         tokens[0, anchor + 1 : anchor + spec.block_size] = np.array(proposal.tokens[0, :-1])
@@ -326,7 +326,7 @@ def drafted(params, draft, prompt_length=12):
     spec, arch = params.spec.draft, params.spec.draft_arch
     features = mx.random.normal((1, prompt_length, len(spec.target_layer_ids) * spec.hidden_size), key=mx.random.key(3))
     state = arch.extend_context(spec, draft, arch.init_context(spec, 1, cache_len), features, mx.zeros((1,), mx.int32))
-    cache = Cache(None, state, mx.array([prompt_length], mx.int32), row_seeds(0, 1))
+    cache = Cache(None, state, mx.array([prompt_length], mx.int32), row_seeds(0, 1), history=None)
     return draft_block(params._replace(draft=draft), cache, mx.array([5], mx.int32))
 
 

@@ -272,7 +272,7 @@ class Engine:
         if self.group is not None and isinstance(request.prompt, ImagePrompt):
             raise ValueError("images are not served across ranks (mlx.launch): the ranks share requests as token "
                              "ids; serve a multimodal release from one process to send it images")
-        if len(request.prompt) + request.max_tokens + self.decoder.planner.max_width > self.max_context:
+        if len(request.prompt) + request.max_tokens + self.decoder.widest > self.max_context:
             raise ValueError(
                 f"prompt of {len(request.prompt)} tokens + max_tokens {request.max_tokens} exceed the "
                 f"context of {self.max_context} tokens"
@@ -455,10 +455,11 @@ class Engine:
                 request.events.put(Update("done", "cancelled"))
                 continue
             if not self.running and not request.sampling.greedy:
-                # Sampled and alone in the batch: a fresh planner, so its seeded samples repeat. A greedy answer
-                # is the target's whatever the planner decides, so the rates measured so far carry on (relearned
-                # per request, every request would pay again for drafting and wide verifies that do not pay).
-                self.decoder.planner.reset()
+                # Sampled and alone in the batch: nothing measured of the proposals, so its seeded samples repeat
+                # where the choices do (a fixed width, or fixed costs). A greedy answer is the target's whatever
+                # the policy decides, so the rates measured so far carry on (relearned per request, every request
+                # would pay again for drafting and wide verifies that do not pay).
+                self.decoder.forget()
             self.running[request.number] = request  # in the batch from here: a failure ends it too
             self.prompt_tokens += len(request.prompt)
             if request.score_prompt:  # its prompt scored at every position, reusing only scored prefixes

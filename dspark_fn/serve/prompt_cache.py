@@ -289,7 +289,7 @@ class PromptCache(PrefixTrie):
         if self.budget <= 0 or len(tokens) < self.min_tokens:
             return
         scores = None if cache.recurrent else scores
-        kept = (cache.target, cache.draft) + ((scores,) if scores is not None else ())
+        kept = (cache.target, cache.draft, cache.history) + ((scores,) if scores is not None else ())
         mx.eval(kept)  # the running batch's buffers stay free to update in place
         size = sum(a.nbytes for _, a in tree_flatten(kept))
         self.put(tokens, Entry(cache, size, cache.recurrent, scores))

@@ -115,7 +115,7 @@ class Reader:
         tools = Tools.from_body(body.get("tools"), body.get("tool_choice")) if kind == "chat" else Tools(())
         prompts = [(self.chat_prompt(body, tools), None)] if kind == "chat" else self.text_prompts(body)
         longest = max(len(prompt) for prompt, _ in prompts)
-        room = self.engine.max_context - longest - self.engine.decoder.planner.max_width
+        room = self.engine.max_context - longest - self.engine.decoder.widest
         if room < 1:
             pictures = sum(len(prompt.images) for prompt, _ in prompts if isinstance(prompt, ImagePrompt))
             taking = f" with its {pictures} image(s) takes" if pictures else " has"
