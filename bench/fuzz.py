@@ -14,20 +14,30 @@ nothing shrinks and the campaign runs to its end):
   (``raw_bodies``), to any endpoint: a 4xx expected;
 - ``key``: a valid body with a wrong or empty key: a 401 expected;
 - ``sweep``: every declared field at each of ``SWEPT``'s values, once
-  (``sweep(endpoint)``).
+  (``sweep(endpoint)``);
+- ``wire``: a valid body framed otherwise (``framings``): sent in chunks
+  (``Transfer-Encoding: chunked``), with a ``Content-Length`` short of it,
+  under drawn headers (content types, encodings, long or odd values), or
+  with the connection closed halfway through the body or before the answer
+  is read (streamed and whole): every answer judged as the others, and a
+  server that keeps a closed connection's row shows it in the periodic
+  checks.
 
 Each answer is judged by ``check_answer`` (never a 5xx, every 4xx in the
-endpoint's API shape, every 200 complete); one with no answer within 60 s is a
-hang. Every ``CHECK_EVERY`` requests a greedy request (temperature 0) must
+endpoint's API shape, every 200 the API's whole reply, every stream's
+events each in the API's shape, none an error, the last the one that ends
+it); one with no answer within 60 s is a hang. Every ``CHECK_EVERY`` requests a greedy request (temperature 0) must
 answer what it answered before the campaign, ``/health`` must answer 200, and
 the server's RSS is read from ``/proc/PID/status``. The campaign stops early
-if the server process exits.
+if the server process exits. It exits 1, naming why, on any failed answer,
+hang, failed check, exception in the server's log or exit of the server;
+hypothesis draws new bodies each run.
 
-    python bench/fuzz.py            # REQUESTS=10000 CLIENTS=4 CHECK_EVERY=500 RAW=0.1 KEYS=0.1 PROMPT_CACHE_MB=64
+    python bench/fuzz.py            # REQUESTS=10000 CLIENTS=4 CHECK_EVERY=500 RAW=0.1 KEYS=0.1 WIRE=0.1 PROMPT_CACHE_MB=64
 
 Environment: REQUESTS (fuzzed requests in all, sweeps included; the periodic
 checks come on top), CLIENTS (client threads; endpoints are dealt to them in
-turn), CHECK_EVERY, RAW and KEYS (the shares of raw bodies and wrong keys),
+turn), CHECK_EVERY, RAW, KEYS and WIRE (the shares of raw bodies, wrong keys and framings),
 PROMPT_CACHE_MB (the server's ``--prompt-cache-mb``: its memory grows until
 the prompt cache is full, then stays), JSON (a path: the summary is written there too). The summary is printed as
 JSON.
@@ -37,6 +47,7 @@ import http.client
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -61,6 +72,7 @@ CLIENTS = int(os.environ.get("CLIENTS", 4))
 CHECK_EVERY = int(os.environ.get("CHECK_EVERY", 500))
 RAW = float(os.environ.get("RAW", 0.1))
 KEYS = float(os.environ.get("KEYS", 0.1))
+WIRE = float(os.environ.get("WIRE", 0.1))
 PROMPT_CACHE_MB = int(os.environ.get("PROMPT_CACHE_MB", 64))  # the bound the prompt cache's memory fills up to
 KEY = "fuzz-key"
 ENDPOINTS = sorted(VALID)
@@ -70,6 +82,44 @@ EXAMPLES = 3  # example requests kept per failure kind
 GREEDY = {"messages": [{"role": "user", "content": "what is here?"}], "max_tokens": 8, "temperature": 0}
 wrong_keys = st.one_of(st.just(""), st.just(" "), st.text(max_size=20).filter(
     lambda key: key.strip() != KEY and key.isprintable() and key.isascii()))
+
+
+header_values = st.text(st.characters(min_codepoint=32, max_codepoint=126), max_size=300)
+drawn_headers = st.dictionaries(
+    st.sampled_from(["content-type", "content-encoding", "accept", "accept-encoding", "user-agent", "expect",
+                     "x-forwarded-for", "x-request-id", "anthropic-version", "openai-organization"]),
+    st.one_of(header_values, st.sampled_from(["application/json", "text/plain", "application/json; charset=latin-1",
+                                              "multipart/form-data; boundary=x", "gzip", "100-continue", ""])),
+    max_size=4)
+framings = st.tuples(st.sampled_from(["chunked", "short", "headers", "cut", "leave"]), drawn_headers,
+                     st.floats(0, 1), st.booleans())
+
+
+def framed(port: int, endpoint: str, body: dict, framing: tuple) -> tuple | None:
+    """``(status, headers, whole body)`` of ``body`` sent as ``framing`` says
+    (``(how, headers, where to cut, streamed)``), or None where the client
+    closes the connection without reading an answer."""
+    how, headers, cut, streamed = framing
+    raw = json.dumps(body | ({"stream": True} if streamed else {})).encode()
+    at = int(cut * len(raw))
+    lines = [f"POST {endpoint} HTTP/1.1", f"host: 127.0.0.1:{port}", f"authorization: Bearer {KEY}",
+             "connection: close"] + [f"{name}: {value}" for name, value in headers.items() if how == "headers"]
+    if how != "headers" or "content-type" not in headers:
+        lines.append("content-type: application/json")
+    if how == "chunked":
+        pieces = [piece for piece in (raw[:at], raw[at:]) if piece]
+        lines.append("transfer-encoding: chunked")
+        payload = b"".join(b"%x\r\n%s\r\n" % (len(piece), piece) for piece in pieces) + b"0\r\n\r\n"
+    else:
+        lines.append(f"content-length: {at if how == 'short' else len(raw)}")
+        payload = raw[:at] if how in ("short", "cut") else raw
+    with socket.create_connection(("127.0.0.1", port), timeout=WAIT) as sock:
+        sock.sendall("\r\n".join(lines).encode() + b"\r\n\r\n" + payload)
+        if how in ("cut", "leave"):  # gone halfway through the body, or before the answer
+            return None
+        response = http.client.HTTPResponse(sock, method="POST")
+        response.begin()
+        return response.status, {k.lower(): v for k, v in response.getheaders()}, response.read()
 
 
 def rss_mb(pid: int, field: str = "VmRSS") -> float | None:
@@ -175,14 +225,20 @@ class Campaign:
             entry["examples"].append({"endpoint": endpoint, "request": shown(request)} | (
                 {"headers": headers} if headers else {}))
 
-    def request(self, kind: str, endpoint: str, request, headers: dict | None = None) -> None:
-        """Sends one fuzzed request and records its answer; runs the periodic check when its turn comes."""
+    def request(self, kind: str, endpoint: str, request, headers: dict | None = None, framing: tuple | None = None):
+        """Sends one fuzzed request (framed as ``framing`` says, if given) and
+        records its answer; runs the periodic check when its turn comes."""
         if self.exited.is_set():
             return
         raw = request if isinstance(request, bytes) else json.dumps(request).encode()
         started = time.monotonic()
         try:
-            status, answer_headers, answer = send(self.server.port, endpoint, raw, headers)
+            if framing is None:
+                status, answer_headers, answer = send(self.server.port, endpoint, raw, headers)
+            else:
+                answered = framed(self.server.port, endpoint, request, framing)
+                status, answer_headers, answer = answered or (0, {}, b"")
+                headers = {"framing": json.dumps(framing)}
             outcome = None
         except TimeoutError:
             outcome = "hang"
@@ -206,6 +262,9 @@ class Campaign:
                 self.fail(f"no answer: {outcome}", endpoint, request, headers)
                 if self.server.process.poll() is not None:
                     self.exited.set()
+            elif status == 0:  # the client left without an answer: the periodic checks judge what it left behind
+                self.statuses["left"] += 1
+                self.kind_statuses[kind]["left"] += 1
             else:
                 self.record(kind, endpoint, request, headers, status, answer_headers, answer)
             due = self.sent % CHECK_EVERY == 0
@@ -296,6 +355,13 @@ def client(campaign: Campaign, endpoints: list, quotas: dict) -> None:
             counted(lambda: campaign.request("key", endpoint, VALID[endpoint], {"authorization": "", header: value}))
         fuzzed()
 
+    def wire_run(examples):
+        @fuzz_settings(examples)
+        @given(st.sampled_from(ENDPOINTS), framings)
+        def fuzzed(endpoint, framing):
+            counted(lambda: campaign.request("wire", endpoint, VALID[endpoint], framing=framing))
+        fuzzed()
+
     sent = [0]
 
     def counted(send_one):
@@ -311,6 +377,7 @@ def client(campaign: Campaign, endpoints: list, quotas: dict) -> None:
             drawn(campaign, share(quotas[("body", endpoint)]), body_loop(endpoint), sent)
         drawn(campaign, share(quotas["raw"]), raw_run, sent)
         drawn(campaign, share(quotas["key"]), key_run, sent)
+        drawn(campaign, share(quotas["wire"]), wire_run, sent)
         for endpoint in endpoints:
             bodies_now = swept[endpoint][len(swept[endpoint]) * turn // ROUNDS:
                                          len(swept[endpoint]) * (turn + 1) // ROUNDS]
@@ -325,12 +392,12 @@ def plan() -> list[tuple[list, dict]]:
     plans = []
     for i, endpoints in enumerate(dealt):
         total = share + (REQUESTS - share * CLIENTS if i == 0 else 0)
-        raw, key = int(total * RAW), int(total * KEYS)
+        raw, key, wire = int(total * RAW), int(total * KEYS), int(total * WIRE)
         swept = sum(len(list(sweep(endpoint))) for endpoint in endpoints)
-        left = total - raw - key - swept
+        left = total - raw - key - wire - swept
         if endpoints and left < 0:
             raise SystemExit(f"REQUESTS={REQUESTS} is too few for the sweeps ({swept} requests in thread {i})")
-        quotas = {"raw": raw + (left if not endpoints else 0), "key": key}
+        quotas = {"raw": raw + (left if not endpoints else 0), "key": key, "wire": wire}
         for j, endpoint in enumerate(endpoints):
             quotas[("body", endpoint)] = left * (j + 1) // len(endpoints) - left * j // len(endpoints)
         plans.append((endpoints, quotas))
@@ -417,6 +484,22 @@ def main() -> None:
     print(json.dumps(result, indent=1))
     if os.environ.get("JSON"):
         Path(os.environ["JSON"]).write_text(json.dumps(result, indent=1))
+    problems = failed(result)
+    if problems:
+        print(f"# the campaign failed: {'; '.join(problems)}", file=sys.stderr)
+        sys.exit(1)
+
+
+def failed(result: dict) -> list[str]:
+    """What makes a campaign fail: a 5xx or an answer out of shape (streams
+    checked event by event), a hang, a health check not 200, the greedy
+    answer changed, an exception in the server's log, the server gone."""
+    checks = {"answers out of shape or 5xx": result["failure_kinds"], "hangs": result["hangs"],
+              "health checks not 200": len(result["health_not_200"]),
+              "greedy answer changed": not result["greedy_unchanged"],
+              "exceptions in the server's log": len(result["server_exceptions"]),
+              "server exited": result["server_exited_during_campaign"]}
+    return [f"{name}: {value}" for name, value in checks.items() if value]
 
 
 if __name__ == "__main__":

@@ -14,35 +14,21 @@ TOKENS (default 96), REPEATS (default 3). ``bench/test_bench_loop.py`` runs
 the same three engines under pytest-benchmark.
 """
 
-import json
 import os
 import statistics
 import time
-from collections import defaultdict
-from pathlib import Path
 
 import dspark_fn  # before mlx: OpenBLAS then serves MLX's matmuls
 from dspark_fn.benchmark import baseline_tokens, dspark_tokens
 from dspark_fn.catalog import load_named
 from dspark_fn.chat import chat_tokens, stop_tokens
 from dspark_fn.checkpoints import mlx_lm_model
+from workloads import held_out_prompts
 
-ROOT = Path(__file__).resolve().parents[1]
-SPLIT = ROOT / "corpus" / "held-out.jsonl"
 FAMILIES = os.environ.get("FAMILIES", "gsm8k,humaneval,mbpp,math500,mt-bench").split(",")
 N = int(os.environ.get("N", 6))
 TOKENS = int(os.environ.get("TOKENS", 96))
 REPEATS = int(os.environ.get("REPEATS", 3))
-
-
-def split_prompts() -> dict:
-    """``{family: [first turn]}`` of the held-out split."""
-    families = defaultdict(list)
-    for line in SPLIT.read_text().splitlines():
-        if line.strip():
-            row = json.loads(line)
-            families[row["family"]].append(row["turns"][0])
-    return families
 
 
 def readme_loop(params, prompt: list, max_new_tokens: int, stop: set) -> list:
@@ -103,7 +89,7 @@ def main() -> None:
     model = mlx_lm_model(config, params.target)
     stop = set(stop_tokens(tokenizer))
     runs = engines(params, model)
-    families = split_prompts()
+    families = held_out_prompts()
     warm = chat_tokens(tokenizer, "Warm up: say hello.")
     for run in runs.values():  # compile outside the timings
         run(warm, 16, stop)

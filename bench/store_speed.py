@@ -16,11 +16,8 @@ tokens compared with mlx-lm's), REPEATED (default 1; 0 leaves out the
 learning store's two passes).
 """
 
-import json
 import os
 import time
-from collections import defaultdict
-from pathlib import Path
 
 import dspark_fn  # before mlx: OpenBLAS then serves MLX's matmuls
 from dspark_fn.benchmark import run_side_by_side
@@ -31,24 +28,14 @@ from dspark_fn.sampling import Sampling
 from dspark_fn.sources import StoredAnswers, default_sources
 from dspark_fn.stats import Tally
 from dspark_fn.store import DEFAULT_IDENTITY, DEFAULT_STORE, Store, load
+from workloads import held_out_prompts
 
-ROOT = Path(__file__).resolve().parents[1]
-SPLIT = ROOT / "corpus" / "held-out.jsonl"
 FAMILIES = os.environ.get("FAMILIES", "gsm8k,mbpp,math500,humaneval,mt-bench").split(",")
 N = int(os.environ.get("N", 8))
 TOKENS = int(os.environ.get("TOKENS", 128))
 REPEATS = int(os.environ.get("REPEATS", 2))
 TEMPERATURE = float(os.environ.get("TEMPERATURE", 0))
 REPEATED = os.environ.get("REPEATED", "1") == "1"  # 0: the side-by-side table alone
-
-
-def split_prompts() -> dict:
-    families = defaultdict(list)
-    for line in SPLIT.read_text().splitlines():
-        if line.strip():
-            row = json.loads(line)
-            families[row["family"]].append(row["turns"][0])
-    return families
 
 
 def shares(summary: dict) -> str:
@@ -86,7 +73,7 @@ def main() -> None:
     params, tokenizer, config = load_named()
     model = mlx_lm_model(config, params.target)
     shipped = load(DEFAULT_STORE, params.spec.target.vocab_size, DEFAULT_IDENTITY)
-    families = split_prompts()
+    families = held_out_prompts()
     decoding = f"temperature {TEMPERATURE}" if TEMPERATURE else "greedy"
     print(f"held-out split, embedded default, {decoding}, {N} prompts a family, {TOKENS} new tokens, "
           f"medians of {REPEATS}\n")

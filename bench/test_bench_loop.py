@@ -9,7 +9,8 @@ Run: python -m pytest bench/test_bench_loop.py --benchmark-only
 
 import pytest
 
-from loop_speed import engines, split_prompts
+from loop_speed import engines
+from workloads import held_out_prompts
 
 FAMILIES = ("gsm8k", "humaneval", "mbpp", "math500", "mt-bench")
 PROMPTS = 2  # a family
@@ -30,7 +31,7 @@ def default_pair():
     params, tokenizer, config = load_named()
     runs = engines(params, mlx_lm_model(config, params.target))
     prompts = {family: [chat_tokens(tokenizer, text) for text in texts[:PROMPTS]]
-               for family, texts in split_prompts().items()}
+               for family, texts in held_out_prompts().items()}
     stop = set(stop_tokens(tokenizer))
     for run in runs.values():  # compile outside the timings
         run(prompts["gsm8k"][0], 16, stop)

@@ -8,6 +8,7 @@ import json
 import os
 import statistics
 import time
+from collections import defaultdict
 from pathlib import Path
 from typing import Callable
 
@@ -15,7 +16,19 @@ import dspark_fn  # before mlx: OpenBLAS then serves MLX's matmuls (dspark_fn/bl
 import mlx.core as mx
 
 
-PARITY = Path(os.environ.get("DSPARK_PARITY_DIR", Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "parity"))
+ROOT = Path(__file__).resolve().parents[1]
+PARITY = Path(os.environ.get("DSPARK_PARITY_DIR", ROOT / "tests" / "fixtures" / "parity"))
+HELD_OUT = ROOT / "corpus" / "held-out.jsonl"  # prompts no draft was trained or tuned on
+
+
+def held_out_prompts() -> dict:
+    """``{family: [first turn, ...]}`` of the held-out split."""
+    families = defaultdict(list)
+    for line in HELD_OUT.read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            families[row["family"]].append(row["turns"][0])
+    return families
 
 
 def fixture_pair(case: str = "qwen3_tiny"):

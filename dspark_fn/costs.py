@@ -14,8 +14,9 @@ widths follow the machine when its load changes.
   cost as much as reading a byte (a CPU computes little per byte it
   reads; a GPU much more). Only ratios matter before the first
   measurement; the first measurement gives the prior its scale.
-- The measurements (``timed``): a verify's seconds by its width, a draft
-  pass's seconds, kept per batch size and sampling mode, the newest
+- The measurements (``timed``): a round's seconds but its draft passes (the
+  verify and the host's own work, which every round pays) by its width,
+  a draft pass's seconds, kept per batch size and sampling mode, the newest
   ``WINDOW`` of each, a measurement weighing ``FORGET`` times the one after
   it. A verify costs ``plain + token x (width - 1)``: the two fitted by
   least squares with the prior as ``PRIOR_WEIGHT`` rounds' worth of

@@ -437,8 +437,9 @@ class Decoder:
         """The record of the sequence in ``row``, which is then free (its point sources finish it)."""
         entry = self.rows[row]
         cache = kept_cache(self.cache, row, entry, before) if entry.keep_cache else None
-        for source in self.sources:
-            source.learn(entry.tokens)
+        if entry.sampling.greedy and entry.finish in ("stop", "length"):  # the target's own habits, whole or cut
+            for source in self.sources:
+                source.learn(entry.tokens)
         self.rows[row] = None
         self.cache = free_row(self.cache, row)
         return Ended(entry.tag, entry.prompt, entry.tokens, entry.finish, entry.tally, cache)
@@ -501,7 +502,7 @@ def generate(
     its grammar admits no token ("dead_end"), and its greedy output equals
     the target's greedy decoding under the same grammar. ``prefix``: a
     one-row cache holding the first tokens of the one prompt (a prompt-cache
-    file's, ``prompt_files.prompt_prefix``): only the rest is prefilled, and
+    file's, ``prompt_cache.files.prompt_prefix``): only the rest is prefilled, and
     the row draws with ``seed`` itself.
     """
     rows = as_rows(prompt)

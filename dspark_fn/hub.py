@@ -18,8 +18,8 @@ def unreachable_message(repo_id: str, what: str, reason: str) -> str:
     return (
         f"cannot get the {what} {repo_id!r} from the Hugging Face hub ({reason}).\n"
         f"  - online: check the name; for gated models accept the licence on the model page and\n"
-        f"    log in with `huggingface-cli login` or set HF_TOKEN=<your token>\n"
-        f"  - offline: download it elsewhere (`huggingface-cli download {repo_id}`) and copy the\n"
+        f"    log in with `hf auth login` or set HF_TOKEN=<your token>\n"
+        f"  - offline: download it elsewhere (`hf download {repo_id}`) and copy the\n"
         f"    cache, or pass a local directory instead of a repository id"
     )
 

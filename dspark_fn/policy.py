@@ -10,7 +10,9 @@ record of host data, which ``speculate`` returns updated with the cache:
   every row, which a sequence entering a row starts from (so a sequence's
   rounds do not depend on the row it sits in);
 - ``costs``: the round costs learned from the rounds' own times
-  (``costs.RoundCosts``);
+  (``costs.RoundCosts``): a round's time but its draft passes prices its
+  verify width (the host's own work each round included: a round pays
+  it whatever its width), a draft pass's time prices drafting;
 - ``gate``: the probe schedule of a batch that declines drafting;
 - ``ready``: the next round's proposals, prepared as soon as the round
   before was known: the copy offers matched in the cache's history
@@ -28,7 +30,7 @@ round, in order: the plan (``schedule.plan_round``: Algorithm 1 over the
 draft's confidences and the offers' rates, at the learned costs), the
 verify, one evaluation (with the next round's copy offers), what the round
 showed learned into the rates, and the next round prepared (a second
-evaluation when it drafts). The verify's and the draft's times refine the
+evaluation when it drafts). The round's and the draft's times refine the
 costs; a round in which a kernel compiled is not timed. Every choice reads
 finished rounds, committed tokens and the current draft's confidences
 (Algorithm 1's early stop), never the round's own draws, so greedy output
@@ -53,7 +55,7 @@ from .copying import LONGEST_MATCH, copy_offers, endings
 from .costs import RoundCosts
 from .kernel import TRACE_COUNTS
 from .rounds import no_proposal, propose, undrafted, verify
-from .sampling import GREEDY, batch_sampling
+from .sampling import GREEDY, Mode, batch_sampling
 from .schedule import (NOTHING, CostCurve, Gate, Kinds, Offer, Offers, Outcomes, Plan, Settings, SlotRates, bucket_for,
                        choose_sources, draft_outcomes, plan_round, point_outcomes)
 from .sharding import agree
@@ -63,11 +65,24 @@ from .types import Copies, Params, Proposal, Round
 COPY = ("copy", LONGEST_MATCH)  # the built-in point source and its kinds (the matched ending's length)
 
 
+class RowSettings(NamedTuple):
+    """A batch's sampling settings on the host: a draft is drawn under them."""
+
+    mode: Mode
+    settings: np.ndarray  # [B, 3] each row's temperature, top-k and top-p
+
+    @classmethod
+    def of(cls, sampling, batch: int) -> "RowSettings":
+        rows, mode = batch_sampling(sampling, batch)
+        return cls(mode, np.stack([np.array(a, np.float64) for a in rows], axis=1))
+
+
 class Ready(NamedTuple):
     """The next round's proposals, prepared once the round before was known."""
 
     settings: Settings  # the settings they were chosen under
     sources: tuple  # the point sources' names they were offered by
+    sampling: RowSettings  # the sampling settings the draft was drawn under
     anchors: np.ndarray  # [B] the anchors they follow
     lengths: np.ndarray  # [B] the committed lengths they follow
     draft: Proposal | None  # the draft pass, when the sources chosen draft
@@ -75,9 +90,14 @@ class Ready(NamedTuple):
     offers: Offers  # every point source's offers, in ``Policy.kinds`` order
     points: np.ndarray  # [B] the point source each row verifies (``NOTHING``: the draft, or nothing)
 
-    def covers(self, anchors: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-        """``[B]``: rows whose anchor and length are those prepared for."""
-        return (self.anchors == anchors) & (self.lengths == lengths)
+    def covers(self, anchors: np.ndarray, lengths: np.ndarray, sampling: RowSettings) -> np.ndarray:
+        """``[B]``: rows whose anchor, length and sampling settings are those
+        prepared for (none when the batch's sampling mode changed: the
+        draft's distributions have another form)."""
+        if sampling.mode != self.sampling.mode:
+            return np.zeros(len(anchors), bool)
+        same = (self.sampling.settings == sampling.settings).all(axis=1)
+        return (self.anchors == anchors) & (self.lengths == lengths) & same
 
     def take(self, rows: Sequence[int], batch: int) -> "Ready":
         """Rows ``rows`` in that order, then rows prepared for nothing up to ``batch``."""
@@ -89,7 +109,8 @@ class Ready(NamedTuple):
         draft = None if self.draft is None else Proposal(*(
             mx.concatenate([a[mx.array(rows, mx.int32)], mx.zeros((pad, *a.shape[1:]), a.dtype)]) if rows
             else mx.zeros((pad, *a.shape[1:]), a.dtype) for a in self.draft))
-        return Ready(self.settings, self.sources, taken(self.anchors, -1), taken(self.lengths, -1), draft,
+        sampling = self.sampling._replace(settings=taken(self.sampling.settings, -1.0))
+        return Ready(self.settings, self.sources, sampling, taken(self.anchors, -1), taken(self.lengths, -1), draft,
                      None if self.confidences is None else taken(self.confidences, 0.0),
                      self.offers.take(rows, batch), taken(self.points, NOTHING))
 
@@ -176,9 +197,11 @@ def speculate(params: Params, cache: Cache, tokens: mx.array, *, width: int | No
     the chosen width never exceeds a row's free slots: a ``ValueError``
     before anything runs when a row has none (``grow_cache`` makes room).
     """
+    start, traces = time.perf_counter(), traced()
     settings = Settings(params.spec.block_size, width, proposals, threshold).checked()
     batch = tokens.shape[0]
-    sampled = batch_sampling(sampling, batch).mode.sampled
+    row_settings = RowSettings.of(sampling, batch)
+    sampled = row_settings.mode.sampled
     policy = cache.policy if cache.policy is not None and cache.policy.batch == batch else Policy.start(params, batch)
     policy = policy.with_sources(sources)
     live = np.ones(batch, bool) if active is None else np.array(active, bool)
@@ -187,34 +210,42 @@ def speculate(params: Params, cache: Cache, tokens: mx.array, *, width: int | No
     costs = policy.costs.curve(batch, sampled, settings.buckets)
     ahead = draft_masks is None
     ready = policy.ready if ahead and prepared_for(policy.ready, settings, sources) else None
-    covered = live & (ready.covers(anchors, lengths) if ready is not None else False)
-    draft_seconds = None
+    covered = live & (ready.covers(anchors, lengths, row_settings) if ready is not None else False)
+    drafts = []  # the seconds of each draft pass the round runs
     if not covered.any():
-        ready, gate, draft_seconds = prepare(params, cache, tokens, policy, settings, sources, live, sampling,
-                                             draft_masks, costs)
-        policy, covered = policy._replace(gate=gate), live
+        ready, gate, seconds = prepare(params, cache, tokens, policy, settings, sources, live, sampling, draft_masks,
+                                       costs, row_settings)
+        policy, covered, drafts = policy._replace(gate=gate), live, drafts + [seconds] * (seconds is not None)
     plan = plan_round(settings, policy.rates, costs, ready.confidences if ready.draft is not None else None,
                       ready.offers, ready.points, covered, policy.kinds.names)
     plan = capped(plan, widest, settings, limit)
-    cache, result, verify_seconds, next_copies = verified(params, cache, tokens, plan, ready, live, sampling, masks,
-                                                          settings, sources, top_log_probs)
-    counts, emitted = np.array(result.count), np.array(result.emitted)
-    committed = [row[:count].tolist() for row, count in zip(emitted, counts)]
-    offers = ready.offers._replace(kinds=np.where(covered, ready.offers.kinds, 0))  # stale offers say nothing
-    outcomes = [draft_outcomes(plan.drafting, np.array(result.accepted), plan.limits, plan.confidences)] \
-        if plan.drafting.any() else []
-    outcomes += [point_outcomes(kinds, tokens, committed) for kinds, tokens in zip(offers.kinds, offers.tokens)]
-    policy = policy.learned(Outcomes.joined(outcomes))._replace(ready=None)
+    cache, result, next_copies = verified(params, cache, tokens, plan, ready, live, sampling, masks, settings, sources,
+                                          top_log_probs)
+    policy = policy.learned(round_outcomes(plan, result, ready.offers, covered))._replace(ready=None)
     if ahead:
-        ready, gate, ahead_seconds = prepare(
-            params, cache, result.next_tokens, policy, settings, sources, live, sampling, None, costs, next_copies,
-            known=(np.array(result.next_tokens), np.array(cache.length)))
-        policy = policy._replace(ready=ready, gate=gate)
-        draft_seconds = ahead_seconds if ahead_seconds is not None else draft_seconds
-    policy = policy._replace(costs=learned_costs(policy.costs, batch, sampled, plan.width, verify_seconds,
-                                                 draft_seconds))
+        ready, gate, seconds = prepare(params, cache, result.next_tokens, policy, settings, sources, live, sampling,
+                                       None, costs, row_settings, next_copies,
+                                       known=(np.array(result.next_tokens), np.array(cache.length)))
+        policy, drafts = policy._replace(ready=ready, gate=gate), drafts + [seconds] * (seconds is not None)
+    round_seconds = time.perf_counter() - start - sum(drafts)  # the round but its draft passes
+    timed = traced() == traces  # a round that compiled a kernel says nothing of its costs
+    policy = policy._replace(costs=learned_costs(policy.costs, batch, sampled, plan.width,
+                                                 round_seconds if timed else None,
+                                                 drafts[-1] if timed and drafts else None))
     sources_used = tuple(plan.source(row) for row in range(batch))
     return cache._replace(policy=policy), result._replace(limits=plan.limits, sources=sources_used)
+
+
+def round_outcomes(plan: Plan, result: Round, offers: Offers, covered: np.ndarray) -> Outcomes:
+    """What the round showed of its proposals: the draft's slots in the rows
+    that verified it, and every offer made for a row it covered (an offer
+    made for another anchor says nothing) against what the row committed."""
+    counts, emitted = np.array(result.count), np.array(result.emitted)
+    committed = [row[:count].tolist() for row, count in zip(emitted, counts)]
+    outcomes = [draft_outcomes(plan.drafting, np.array(result.accepted), plan.limits, plan.confidences)] \
+        if plan.drafting.any() else []
+    kinds = np.where(covered, offers.kinds, 0)
+    return Outcomes.joined(outcomes + [point_outcomes(k, tokens, committed) for k, tokens in zip(kinds, offers.tokens)])
 
 
 def widest_room(settings: Settings, cache: Cache, lengths: np.ndarray, live: np.ndarray) -> int:
@@ -246,8 +277,7 @@ def point_tokens(proposals: list, slots: int) -> np.ndarray:
 def verified(params: Params, cache: Cache, tokens: mx.array, plan: Plan, ready: "Ready", live: np.ndarray, sampling,
              masks: Callable | None, settings: Settings, sources: Sequence[PointSource], top_log_probs: int | None):
     """Launch the planned verify and the next round's copy offers, evaluate
-    both: ``(cache, round, seconds, copy offers and endings for the next
-    round)``."""
+    both: ``(cache, round, copy offers and endings for the next round)``."""
     width, batch = plan.width, tokens.shape[0]
     if width == 1:
         proposal = no_proposal(batch)
@@ -263,14 +293,12 @@ def verified(params: Params, cache: Cache, tokens: mx.array, plan: Plan, ready: 
         if plan.drafting.any() and width > 1:  # the draft's tokens, already on the host once planned
             proposed = np.where(pointing[:, None], proposed, np.array(proposal.tokens[:, : width - 1]))
         verified_masks = masks(proposed, limits=plan.limits)
-    start, traces = time.perf_counter(), sum(TRACE_COUNTS.values())
     cache, result = verify(params, cache, tokens, proposal, width, sampling=sampling, limit=mx.array(plan.limits),
                            active=mx.array(live), copies=points, top_log_probs=top_log_probs, check_room=False,
                            masks=verified_masks)
     following = next_offers(cache, result.next_tokens, settings, sources)
     mx.eval(result, cache.length, following)
-    seconds = time.perf_counter() - start if sum(TRACE_COUNTS.values()) == traces else None
-    return cache, result, seconds, following
+    return cache, result, following
 
 
 def next_offers(cache: Cache, anchors: mx.array, settings: Settings, sources: Sequence[PointSource]):
@@ -284,11 +312,11 @@ def next_offers(cache: Cache, anchors: mx.array, settings: Settings, sources: Se
 
 def prepare(params: Params, cache: Cache, anchors: mx.array, policy: Policy, settings: Settings,
             sources: Sequence[PointSource], live: np.ndarray, sampling, draft_masks, costs: CostCurve,
-            following=None, known=None) -> tuple[Ready, Gate, float | None]:
+            row_settings: RowSettings, following=None, known=None) -> tuple[Ready, Gate, float | None]:
     """The round's proposals from ``anchors`` (``Ready``), the probe schedule
-    after choosing, and the seconds the draft pass took (None: no draft, or
-    it compiled). ``following``: the copy offers and endings, when launched
-    already; ``known``: the anchors and lengths on the host, when read."""
+    after choosing, and the seconds the draft pass took (None: no draft).
+    ``following``: the copy offers and endings, when launched already;
+    ``known``: the anchors and lengths on the host, when read."""
     if following is None:
         following = next_offers(cache, anchors, settings, sources)
     batch = len(live)
@@ -305,13 +333,13 @@ def prepare(params: Params, cache: Cache, anchors: mx.array, policy: Policy, set
     chosen = choose_sources(settings, policy.rates, offers, live, costs, policy.gate)
     draft = confidences = seconds = None
     if chosen.draft:
-        start, traces = time.perf_counter(), sum(TRACE_COUNTS.values())
+        start = time.perf_counter()
         draft = propose(params, cache, anchors, sampling, draft_masks)
         confidences = sigmoid(np.array(draft.confidence_logits.astype(mx.float32)))
-        seconds = time.perf_counter() - start if sum(TRACE_COUNTS.values()) == traces else None
+        seconds = time.perf_counter() - start
     anchors_, lengths_ = known if known is not None else (np.array(anchors), np.array(cache.length))
-    ready = Ready(settings, tuple(source.name for source in sources), anchors_, lengths_, draft, confidences, offers,
-                  chosen.points)
+    ready = Ready(settings, tuple(source.name for source in sources), row_settings, anchors_, lengths_, draft,
+                  confidences, offers, chosen.points)
     return ready, chosen.gate, seconds
 
 
@@ -323,6 +351,11 @@ def prepared_for(ready: Ready | None, settings: Settings, sources: Sequence[Poin
 def copied(tokens: np.ndarray, match: np.ndarray) -> list:
     """The copy offers as ``Offer``s (rated by the matched ending's length)."""
     return [Offer(row.tolist(), int(m)) if m else NO_OFFER for row, m in zip(tokens, match)]
+
+
+def traced() -> int:
+    """Kernel traces so far: a change during a round means it compiled one."""
+    return sum(TRACE_COUNTS.values())
 
 
 def sigmoid(logits: np.ndarray) -> np.ndarray:

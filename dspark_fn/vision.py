@@ -22,6 +22,7 @@ import numpy as np
 
 from . import ops
 from .files import read_config, read_safetensors
+from .optional import vlm_missing
 from .targets import TARGET_REGISTRY, text_model_config
 from .types import ImagePrompt, PromptImage
 
@@ -107,6 +108,9 @@ def load_vision(directory, config: dict | None = None, dtype=None) -> Vision | N
 def vision_problem(directory: Path, release, config: dict) -> str | None:
     """Why the release cannot read images (None: it can), found from tensor
     names alone; a text run never depends on it."""
+    missing_package = vlm_missing("reading images")
+    if missing_package:
+        return missing_package
     try:
         _, weights, expected = towers_of(directory, release, config)  # nothing is read from disk
     except Exception as error:  # mlx-vlm cannot build this release's model: its text model still runs
@@ -181,6 +185,12 @@ def release_processor(directory: Path, config: dict):
 # ---- images in
 
 
+# The formats images are read in: the web's own. PIL knows dozens more, some
+# through outside programs (EPS runs Ghostscript), which a client's bytes
+# must not reach.
+IMAGE_FORMATS = ("PNG", "JPEG", "GIF", "WEBP", "BMP")
+
+
 def opened_image(source, index: int = 0):
     """A PIL image from a path, bytes or a PIL image, its header read and
     nothing decoded (its ``size`` is known); a file that is not an image is
@@ -194,13 +204,14 @@ def opened_image(source, index: int = 0):
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            return Image.open(io.BytesIO(source) if isinstance(source, (bytes, bytearray)) else source)
+            return Image.open(io.BytesIO(source) if isinstance(source, (bytes, bytearray)) else source,
+                              formats=IMAGE_FORMATS)
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as error:
         raise ValueError(f"{name} would decode into too many pixels (a decompression bomb?): {error}") from None
     except FileNotFoundError:
         raise ValueError(f"{name}: no such file {source}") from None
     except UnidentifiedImageError:
-        raise ValueError(f"{name} is not an image this reader knows (PNG, JPEG, GIF, WebP, ...)") from None
+        raise ValueError(f"{name} is not an image this reader knows ({', '.join(IMAGE_FORMATS)})") from None
     except OSError as error:
         raise ValueError(f"{name} could not be read: {error}") from None
 

@@ -5,7 +5,8 @@ URLs), fields deleted, or nested parts mangled; raw bodies that are not
 JSON or that a lenient parser would take (``NaN``, ``1e999``, nesting
 thousands deep); and keys that are wrong or empty. ``check_answer`` says
 whether one answer is acceptable: never a 5xx, every 4xx an error in the
-endpoint's API shape, every 200 a complete body or stream."""
+endpoint's API shape, every 200 a whole reply of the API, a stream's every
+event in its shape, none an error, its last the one that ends it."""
 
 import http.client
 import json
@@ -140,8 +141,65 @@ def is_error_shaped(endpoint: str, body) -> bool:
     return isinstance(error, dict) and isinstance(error.get("message"), str) and isinstance(error.get("type"), str)
 
 
+OPENAI_CHUNKS = {"/v1/chat/completions": "chat.completion.chunk", "/v1/completions": "text_completion"}
+WHOLE_OBJECTS = {"/v1/chat/completions": "chat.completion", "/v1/completions": "text_completion",
+                 "/v1/responses": "response", "/v1/messages": "message"}
+MESSAGES_EVENTS = ("message_start", "content_block_start", "content_block_delta", "content_block_stop",
+                   "message_delta", "message_stop", "ping")
+
+
+def events(text: str) -> list[tuple[str | None, str]]:
+    """A stream's server-sent events as ``(event name or None, data)``."""
+    found = []
+    for block in text.strip().split("\n\n"):
+        name, data = None, []
+        for line in block.splitlines():
+            if line.startswith("event: "):
+                name = line[7:]
+            elif line.startswith("data: "):
+                data.append(line[6:])
+        found.append((name, "\n".join(data)))
+    return found
+
+
+def check_event(endpoint: str, name: str | None, data: str) -> str | None:
+    """What is wrong with one event of a stream of ``endpoint`` (an error event is: once a stream has
+    begun, every request a fuzzer sends has been accepted, and a failure there is the server's)."""
+    if endpoint in OPENAI_CHUNKS and data == "[DONE]":
+        return None
+    try:
+        body = json.loads(data)
+    except ValueError:
+        return f"an event whose data is not JSON: {data[:200]!r}"
+    if not isinstance(body, dict) or "error" in body or name in ("error", "response.failed"):
+        return f"an error inside a stream: {data[:300]!r}"
+    if endpoint in OPENAI_CHUNKS:
+        return None if body.get("object") == OPENAI_CHUNKS[endpoint] and isinstance(body.get("choices"), list) \
+            else f"a chunk not in the API's shape: {data[:200]!r}"
+    if endpoint == "/v1/messages":
+        return None if name in MESSAGES_EVENTS and body.get("type") == name \
+            else f"an event not in the Messages API's shape: {name} {data[:200]!r}"
+    return None if name and name.startswith("response.") and body.get("type") == name \
+        else f"an event not in the Responses API's shape: {name} {data[:200]!r}"
+
+
+def check_stream(endpoint: str, text: str) -> str | None:
+    """Each event in its API's shape, and the stream's last the one that ends it."""
+    found = events(text)
+    for name, data in found:
+        if (wrong := check_event(endpoint, name, data)) is not None:
+            return wrong
+    last_name, last_data = found[-1]
+    ended = {"/v1/responses": last_name == "response.completed", "/v1/messages": last_name == "message_stop"}
+    if not ended.get(endpoint, last_data == "[DONE]"):
+        return f"a stream that ends without its final event: {last_name} {last_data[:200]!r}"
+    return None
+
+
 def check_answer(endpoint: str, status: int, headers: dict, raw: bytes) -> str | None:
-    """What is wrong with an answer (None: nothing)."""
+    """What is wrong with an answer (None: nothing): a 5xx; an error not in
+    the API's shape; a stream with an event out of shape, an error event or
+    no final event; a 200 that is not the API's whole reply."""
     if status >= 500:
         return f"status {status}: {raw[:300]!r}"
     content_type = headers.get("content-type", "")
@@ -152,19 +210,14 @@ def check_answer(endpoint: str, status: int, headers: dict, raw: bytes) -> str |
             return f"status {status} with a body that is not JSON: {raw[:200]!r}"
         return None if is_error_shaped(endpoint, body) else f"status {status} not in the API's shape: {body}"
     if content_type.startswith("text/event-stream"):
-        text = raw.decode()
-        last = text.strip().rsplit("\n\n", 1)[-1]
-        if endpoint == "/v1/responses":
-            return None if last.startswith(("event: response.completed", "event: response.failed")) \
-                else f"a stream that ends without its final event: {last[:200]!r}"
-        if endpoint == "/v1/messages":
-            return None if last.startswith(("event: message_stop", "event: error")) \
-                else f"a stream that ends without its final event: {last[:200]!r}"
-        return None if last == "data: [DONE]" else f"a stream that ends without its final event: {last[:200]!r}"
+        return check_stream(endpoint, raw.decode())
     try:
-        json.loads(raw)
+        body = json.loads(raw)
     except ValueError:
         return f"a 200 whose body is not JSON: {raw[:200]!r}"
+    if endpoint in WHOLE_OBJECTS and not (isinstance(body, dict) and body.get(
+            "type" if endpoint == "/v1/messages" else "object") == WHOLE_OBJECTS[endpoint]):
+        return f"a 200 not in the API's shape: {raw[:200]!r}"
     return None
 
 

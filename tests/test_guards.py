@@ -236,7 +236,7 @@ def test_rows_moved_by_a_resize_store_their_own_prefixes(pair):
         assert answers == [t[len(p) : len(p) + n] for t, p, n in zip(truths, prompts, budgets)]
         stored = engine.prompt_cache.entries
         assert len(stored) == 3
-        for key, (cache, _) in stored.items():
+        for (_, key), (cache, _) in stored.items():
             truth = next(t for t, p in zip(truths, prompts) if list(key[: len(p)]) == p)
             assert int(cache.length[0]) == len(key) and list(key) == truth[: len(key)]
         for prompt, answer, truth in list(zip(prompts, answers, truths))[1:]:

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 import dspark_fn
-from dspark_fn import prefix_scoring
+from dspark_fn.prompt_cache import scoring as prefix_scoring
 from dspark_fn.buffers import capacity_for
 from dspark_fn.kernel import TRACE_COUNTS
 from dspark_fn.serve.engine import PromptCache
@@ -187,7 +187,7 @@ def test_prompt_scores_equal_mlx_lm(pair):
 
 
 def test_prompts_sharing_a_context_are_scored_whole(pair, monkeypatch):
-    """``prefix_scoring.score_prompts`` on a recurrent target: two prompts
+    """``prompt_cache.scoring.score_prompts`` on a recurrent target: two prompts
     after one long context are each scored whole, in one prefill (no state
     resumes short of its end), ``known`` is never asked, and their scores
     are mlx-lm's."""

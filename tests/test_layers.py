@@ -1,4 +1,4 @@
-"""The package's layer order, as README's "Layers" block states it: each
+"""The package's layer order, as docs/architecture.md's "Layers" block states it: each
 module imports only modules of its own layer or of the layers above it, and
 no import chain comes back to where it started.
 
@@ -26,10 +26,10 @@ PACKAGE = ROOT / "dspark_fn"
 
 
 def stated_layers() -> list[list[str]]:
-    """README's layers, top first: the names in each line of the fenced block under "### Layers"."""
-    text = (ROOT / "README.md").read_text()
+    """docs/architecture.md's layers, top first: the names in each line of the fenced block under "### Layers"."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
     block = re.search(r"### Layers\n.*?```\n(.*?)```", text, re.S)
-    assert block, "README.md has no fenced block under '### Layers'"
+    assert block, "docs/architecture.md has no fenced block under '### Layers'"
     return [line.split()[1:] for line in block.group(1).splitlines() if line.strip()]
 
 
@@ -49,7 +49,7 @@ def layer_of(module: str, layers: list[list[str]]) -> int:
     for index, names in enumerate(layers):
         if any(short == name or short.startswith(name + ".") for name in names):
             return index
-    raise AssertionError(f"{module} is in none of README's layers: add it to the '### Layers' block")
+    raise AssertionError(f"{module} is in none of the layers of docs/architecture.md: add it to the '### Layers' block")
 
 
 def imports(module: str, path: Path, known: dict, parents: bool = True) -> set[str]:
@@ -78,7 +78,7 @@ def test_every_module_imports_only_its_layer_and_the_layers_above():
         for used in sorted(imports(module, path, known))
         if used != "dspark_fn" and layer_of(used, layers) > layer_of(module, layers)
     ]
-    assert not upward, "imports against README's layer order:\n" + "\n".join(upward)
+    assert not upward, "imports against docs/architecture.md's layer order:\n" + "\n".join(upward)
 
 
 def test_no_import_chain_comes_back():

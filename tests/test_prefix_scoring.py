@@ -1,5 +1,5 @@
 """Prompts scored together with each shared beginning prefilled once
-(``prefix_scoring.score_prompts``): every prompt's scores are mlx-lm's
+(``prompt_cache.scoring.score_prompts``): every prompt's scores are mlx-lm's
 log-probabilities of its tokens (within the fp32 bound) and its first
 token the one scoring it alone gives, whether its beginning came from a
 kept scored prompt, from a beginning it shares with the prompts beside it,
@@ -28,11 +28,11 @@ import numpy as np
 import pytest
 
 import dspark_fn
-from dspark_fn import prefix_scoring
+from dspark_fn.prompt_cache import scoring as prefix_scoring
 from dspark_fn.buffers import capacity_for
-from dspark_fn.prefix_scoring import MIN_SHARED, score_prompts, shared_beginnings
+from dspark_fn.prompt_cache.scoring import MIN_SHARED, score_prompts, shared_beginnings
 from dspark_fn.sampling import GREEDY, Sampling
-from dspark_fn.serve.prompt_cache import PromptCache
+from dspark_fn.prompt_cache.memory import PromptCache
 from helpers import random_prompt
 from numerics import assert_fp32_close
 from test_log_probs import BUDGET, CONFIG, pair  # noqa: F401  the tiny pair, and its fp32 budget

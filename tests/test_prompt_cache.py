@@ -1,4 +1,4 @@
-"""The server's prompt cache (``serve.prompt_cache``) on small stand-in
+"""The server's prompt cache (``prompt_cache.memory``) on small stand-in
 caches: random stores and lookups (of caches, and of scored prompts'
 prefixes) against a linear scan over every entry (the rule the trie must
 give the same answers to), the rules one by one, and a lookup that walks
@@ -12,8 +12,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from dspark_fn.serve import prompt_cache
-from dspark_fn.serve.prompt_cache import PromptCache, descend
+from dspark_fn.prompt_cache import memory
+from dspark_fn.prompt_cache.memory import PromptCache, descend
 from dspark_fn.types import TokenLogProbs
 
 IMAGE_A, IMAGE_B = (9, "digest-a"), (9, "digest-b")  # image tokens as ``prompt_key`` pairs them
@@ -53,26 +53,28 @@ class LinearPromptCache:
 
     def __init__(self, budget: int, min_tokens: int):
         self.budget, self.min_tokens = budget, min_tokens
-        self.entries: OrderedDict = OrderedDict()  # tokens -> (recurrent, bytes, scores or None)
+        self.entries: OrderedDict = OrderedDict()  # (scope, tokens) -> (recurrent, bytes, scores or None)
 
     @property
     def used(self) -> int:
         return sum(size for _, size, _ in self.entries.values())
 
-    def store(self, cache: FakeCache, scores: TokenLogProbs | None = None) -> None:
+    def store(self, cache: FakeCache, scores: TokenLogProbs | None = None, scope: str = "") -> None:
         if self.budget <= 0 or len(cache.tokens) < self.min_tokens:
             return
         scores = None if cache.recurrent else scores  # a recurrent prefix never resumes short of its end
         size = int(cache.target[0].nbytes) + (sum(a.nbytes for a in scores) if scores is not None else 0)
-        self.entries[cache.tokens] = (cache.recurrent, size, scores)
-        self.entries.move_to_end(cache.tokens)
+        self.entries[scope, cache.tokens] = (cache.recurrent, size, scores)
+        self.entries.move_to_end((scope, cache.tokens))
         while self.entries and self.used > self.budget:
             self.entries.popitem(last=False)
 
-    def best(self, prompt: list, resumable=None) -> tuple[int, set]:
-        """The longest usable prefix and every entry giving it."""
+    def best(self, prompt: list, resumable=None, scope: str = "") -> tuple[int, set]:
+        """The longest usable prefix in ``scope`` and every entry giving it."""
         lengths = {}
-        for tokens, (recurrent, _, _) in self.entries.items():
+        for (own, tokens), (recurrent, _, _) in self.entries.items():
+            if own != scope:
+                continue
             length = min(common_prefix(tokens, prompt), len(prompt) - 1)
             length = resumable(length) if resumable is not None else length
             if not (recurrent and length != len(tokens)):
@@ -80,10 +82,11 @@ class LinearPromptCache:
         longest = max(lengths.values(), default=0)
         return longest, {tokens for tokens, length in lengths.items() if length == longest}
 
-    def best_scored(self, prompt: list) -> tuple[int, set]:
-        """The longest prefix a scored entry shares with ``prompt`` short of its last token, and every entry giving it."""
+    def best_scored(self, prompt: list, scope: str = "") -> tuple[int, set]:
+        """The longest prefix a scored entry of ``scope`` shares with ``prompt`` short of its last token, and every
+        entry giving it."""
         lengths = {tokens: min(common_prefix(tokens, prompt), len(prompt) - 1)
-                   for tokens, (_, _, scores) in self.entries.items() if scores is not None}
+                   for (own, tokens), (_, _, scores) in self.entries.items() if scores is not None and own == scope}
         longest = max(lengths.values(), default=0)
         return longest, {tokens for tokens, length in lengths.items() if length == longest}
 
@@ -111,7 +114,7 @@ def random_sequence(rng: random.Random, seen: list) -> list:
 
 
 def stored_order(cache: PromptCache) -> list:
-    return list(cache.entries)
+    return [tokens for _, tokens in cache.entries]
 
 
 def check_trie(cache: PromptCache) -> None:
@@ -134,7 +137,8 @@ def check_trie(cache: PromptCache) -> None:
         assert list(node.counts) == plain.tolist()
         return plain
 
-    visit(cache.root, ())
+    for root in cache.roots.values():
+        visit(root, ())
     assert set(held) == set(cache.lru) and len(held) == len(cache)
 
 
@@ -143,42 +147,43 @@ def test_random_stores_and_lookups_answer_as_the_linear_scan(seed):
     rng = random.Random(seed)
     min_tokens = [0, 1, 4, 6][seed % 4]
     recurrent_share = [0.0, 1.0, 0.5][seed % 3]
+    scopes = ["", "another key"] if seed % 4 in (1, 2) else [""]  # each scope finds only its own entries
     budget = 200
     cache, reference = PromptCache(budget, min_tokens=min_tokens), LinearPromptCache(budget, min_tokens)
     seen, hits, misses = [], 0, 0
     for _ in range(400):
-        tokens = random_sequence(rng, seen)
+        tokens, scope = random_sequence(rng, seen), rng.choice(scopes)
         seen.append(tokens)
         if rng.random() < 0.5:
             stored = fake_cache(tokens, size=rng.randint(1, 40), recurrent=rng.random() < recurrent_share,
                                 length=max(0, len(tokens) - rng.choice([0, 0, 1, 3])))
             scores = fake_scores(stored.tokens) if rng.random() < 0.5 else None
-            cache.store(tokens, stored, scores)
-            reference.store(stored, scores)
+            cache.store(tokens, stored, scores, scope)
+            reference.store(stored, scores, scope)
         elif rng.random() < 0.3:
-            shared, candidates = reference.best_scored(tokens)
-            found = cache.scored_prefix(tokens)
+            shared, candidates = reference.best_scored(tokens, scope)
+            found = cache.scored_prefix(tokens, scope)
             if shared - 1 < max(min_tokens, 1):
                 assert found is None
                 misses += 1
             else:
                 assert int(found.cache.length[0]) == shared - 1 and found.cache.tokens in candidates
-                expected = reference.entries[found.cache.tokens][2]
+                expected = reference.entries[scope, found.cache.tokens][2]
                 assert found.scores.log_probs.tolist() == expected.log_probs[:, : shared - 1].tolist()
-                reference.entries.move_to_end(found.cache.tokens)
+                reference.entries.move_to_end((scope, found.cache.tokens))
                 hits += 1
         else:
             resumable = image_cuts(random_image_ranges(rng, len(tokens))) if rng.random() < 0.5 else None
-            length, candidates = reference.best(tokens, resumable)
-            found = cache.lookup(tokens, resumable)
+            length, candidates = reference.best(tokens, resumable, scope)
+            found = cache.lookup(tokens, resumable, scope)
             if length < max(min_tokens, 1):
                 assert found is None
                 misses += 1
             else:
                 assert int(found.length[0]) == length and found.tokens in candidates
-                reference.entries.move_to_end(found.tokens)  # the choice among equals is the trie's
+                reference.entries.move_to_end((scope, found.tokens))  # the choice among equals is the trie's
                 hits += 1
-        assert stored_order(cache) == list(reference.entries)
+        assert list(cache.entries) == list(reference.entries)  # (scope, tokens), least recently used first
         assert cache.used == reference.used <= budget
         assert (cache.hits, cache.misses) == (hits, misses)
         check_trie(cache)
@@ -263,7 +268,7 @@ def test_entries_show_what_is_stored_and_cannot_be_changed_through():
     first, second = fake_cache([1, 2, 3], size=10), fake_cache([1, 2, IMAGE_A], size=20)
     cache.store([1, 2, 3], first)
     cache.store([1, 2, IMAGE_A], second)
-    assert dict(cache.entries) == {(1, 2, 3): (first, 10), (1, 2, IMAGE_A): (second, 20)}
+    assert dict(cache.entries) == {("", (1, 2, 3)): (first, 10), ("", (1, 2, IMAGE_A)): (second, 20)}
     with pytest.raises(AttributeError):
         cache.entries.clear()
 
@@ -295,7 +300,7 @@ def test_a_lookup_walks_the_prompt_and_never_the_entries(monkeypatch):
         conversations.append(tokens)
         cache.store(tokens, fake_cache(tokens, size=1))
     assert len(cache.lru) > 1900  # a few random conversations repeat
-    nodes = [cache.root]
+    nodes = [cache.root("")]
     for node in nodes:
         nodes.extend(node.children.values())
     assert len(nodes) <= 2 * len(cache) + 1  # a node a token would be ~60,000
@@ -307,7 +312,7 @@ def test_a_lookup_walks_the_prompt_and_never_the_entries(monkeypatch):
         walked.append(len(path))
         return path
 
-    monkeypatch.setattr(prompt_cache, "descend", counted_descend)
+    monkeypatch.setattr(memory, "descend", counted_descend)
     for tokens in rng.sample(conversations, 50):
         prompt = tokens + [7, 7]
         found, length = cache.lookup(prompt), len(tokens)

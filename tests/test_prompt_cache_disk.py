@@ -1,4 +1,4 @@
-"""The prompt cache's disk tier (``serve.prompt_disk``, ``dspark serve
+"""The prompt cache's disk tier (``prompt_cache.disk``, ``dspark serve
 --prompt-cache-dir``): conversations evicted from memory, and those in
 memory when the engine stops, answer a new engine over the same directory
 as a fresh prefill would; the directory keeps to its size bound, least
@@ -23,7 +23,7 @@ Breaks tried, and the tests that caught them:
   test_the_directory_keeps_to_its_bound_least_recently_used_first (each
   kept the wrong file); an entry larger than the bound written anyway: the
   same test (it took the other files' place, then went itself);
-- the checksum left unchecked (``check_header`` without it):
+- the signature left unchecked (``check_header`` without it):
   test_a_kill_mid_write_and_damaged_files_leave_nothing_used_wrongly (the
   file with a changed byte loaded, its seed not the prefill's);
 - ``read_fields`` without its size check: the same test (the file cut short
@@ -56,8 +56,8 @@ from dspark_fn.buffers import capacity_for, init_cache, row_cache
 from dspark_fn.cache import map_slots
 from dspark_fn.cli import build_parser
 from dspark_fn.serve.engine import Engine, Request
-from dspark_fn.serve.prompt_cache import PromptCache
-from dspark_fn.serve.prompt_disk import DiskTier, file_name
+from dspark_fn.prompt_cache.memory import PromptCache
+from dspark_fn.prompt_cache.disk import DiskTier, file_name
 from helpers import build_draft, build_pair, build_target, random_prompt, target_config
 from hybrids import HYBRID_SHAPES, hybrid_draft_config
 from test_prompt_files import damaged, flipped, header_end
@@ -130,8 +130,8 @@ def engine_of(params, directory=None, memory: int = BIG) -> Engine:
 
 
 def files(directory: Path) -> dict:
-    """The directory's files and their sizes."""
-    return {path.name: path.stat().st_size for path in directory.iterdir()}
+    """The directory's entry files (and writes cut short) and their sizes; its key and lock aside."""
+    return {path.name: path.stat().st_size for path in directory.iterdir() if ".safetensors" in path.name}
 
 
 def test_a_restarted_engine_answers_from_disk_as_a_fresh_prefill(params, tmp_path):
@@ -185,20 +185,20 @@ def test_the_directory_keeps_to_its_bound_least_recently_used_first(params, tmp_
         tier.keep(tokens, cache, buffer_bytes(cache))
     assert memory.lookup(list(a) + [1]) is not None  # a is used: b is now the least recently used
     tier.keep(c, caches[2], buffer_bytes(caches[2]))
-    assert sorted(files(directory)) == sorted(file_name(tier.prefix, t) for t in (a, c))
+    assert sorted(files(directory)) == sorted(file_name(tier.prefix, "", t) for t in (a, c))
     assert sum(files(directory).values()) == tier.used <= tier.budget
     assert memory.lookup(list(b) + [1]) is None
     assert memory.lookup(list(a) + [1]) is not None  # a again: now used after c was written
 
     restarted = DiskTier(directory, params, budget_bytes=size * 3 // 2)
-    assert list(files(directory)) == [file_name(tier.prefix, a)] and len(restarted) == 1
+    assert list(files(directory)) == [file_name(tier.prefix, "", a)] and len(restarted) == 1
     assert sum(files(directory).values()) <= restarted.budget
 
     long = prompts(1, seed=1, length=10 * PROMPT)[0]  # a capacity of 512 slots, where the others have 256
     large = prefilled_row(params, long)
     assert buffer_bytes(large) > restarted.budget
     restarted.keep(tuple(long), large, buffer_bytes(large))  # it would take the place of every file, and not fit
-    assert list(files(directory)) == [file_name(tier.prefix, a)] and len(restarted) == 1
+    assert list(files(directory)) == [file_name(tier.prefix, "", a)] and len(restarted) == 1
 
 
 WRITER = """
@@ -206,7 +206,7 @@ import sys, time
 sys.path.insert(0, {tests!r})
 import dspark_fn  # before mlx: the same BLAS as this process, so the same prefill bit for bit
 import mlx.core as mx
-from dspark_fn.serve.prompt_disk import DiskTier
+from dspark_fn.prompt_cache.disk import DiskTier
 from test_prompt_cache_disk import buffer_bytes, prefilled_row, prompts
 
 params = dspark_fn.load({target!r}, {draft!r})
@@ -259,7 +259,7 @@ def test_a_kill_mid_write_and_damaged_files_leave_nothing_used_wrongly(folders, 
     for prompt in (cut, changed):
         cache = prefilled_row(params, prompt)
         tier.keep(tuple(prompt), cache, buffer_bytes(cache))
-    cut_file, changed_file = (tmp_path / file_name(tier.prefix, p) for p in (cut, changed))
+    cut_file, changed_file = (tmp_path / file_name(tier.prefix, "", p) for p in (cut, changed))
     cut_file.write_bytes(cut_file.read_bytes()[: cut_file.stat().st_size * 2 // 3])
     damaged(changed_file, lambda data: flipped(data, header_end(data) + 2)).replace(changed_file)  # a held value
     capsys.readouterr()
@@ -279,7 +279,7 @@ def test_a_kill_mid_write_and_damaged_files_leave_nothing_used_wrongly(folders, 
     assert restarted.refused == 2 and not changed_file.exists()
     log = capsys.readouterr().err
     assert f"deleted {cut_file.name}" in log and "truncated or corrupt" in log
-    assert f"deleted {changed_file.name}" in log and "do not match the checksum" in log
+    assert f"deleted {changed_file.name}" in log and "does not match the signature made with the key" in log
 
 
 def test_another_pairs_files_are_never_used(folders, params, tmp_path, capsys):
@@ -298,17 +298,17 @@ def test_another_pairs_files_are_never_used(folders, params, tmp_path, capsys):
     assert second.prefix != first.prefix and len(second) == 0 and second.other_bytes == size
     assert PromptCache(BIG, disk=second).lookup(prompt + [1]) is None
 
-    shutil.copy(tmp_path / file_name(first.prefix, prompt), tmp_path / file_name(second.prefix, prompt))
+    shutil.copy(tmp_path / file_name(first.prefix, "", prompt), tmp_path / file_name(second.prefix, "", prompt))
     capsys.readouterr()
     again = DiskTier(tmp_path, other)
     assert len(again) == 0 and again.refused == 1 and "saved for another target" in capsys.readouterr().err
-    assert not (tmp_path / file_name(second.prefix, prompt)).exists()
+    assert not (tmp_path / file_name(second.prefix, "", prompt)).exists()
     assert PromptCache(BIG, disk=again).lookup(prompt + [1]) is None
 
     bounded = DiskTier(tmp_path, other, budget_bytes=size * 3 // 2)
     mine = prefilled_row(other, own)
     bounded.keep(tuple(own), mine, buffer_bytes(mine))
-    assert list(files(tmp_path)) == [file_name(second.prefix, own)]
+    assert list(files(tmp_path)) == [file_name(second.prefix, "", own)]
 
 
 def test_a_hybrid_file_serves_only_prompts_that_start_with_all_of_it(folders, tmp_path):
@@ -324,6 +324,45 @@ def test_a_hybrid_file_serves_only_prompts_that_start_with_all_of_it(folders, tm
     loaded = memory.lookup(prompt + [1, 2])
     assert loaded.recurrent and int(loaded.length[0]) == PROMPT
     assert same(held(loaded, PROMPT), held(cache, PROMPT))
+
+
+def test_entries_are_kept_apart_by_scope_across_a_restart(params, tmp_path):
+    """An entry written in one scope is found, after a restart, from that
+    scope only; the directory and its files are readable by their owner
+    alone."""
+    prompt = prompts(1, seed=6)[0]
+    cache = prefilled_row(params, prompt)
+    DiskTier(tmp_path, params).keep(tuple(prompt), cache, buffer_bytes(cache), scope="alice")
+    restarted = PromptCache(BIG, disk=DiskTier(tmp_path, params))
+    assert restarted.lookup(prompt + [1], scope="bob") is None and restarted.lookup(prompt + [1]) is None
+    assert int(restarted.lookup(prompt + [1], scope="alice").length[0]) == PROMPT
+    assert (tmp_path.stat().st_mode & 0o777) == 0o700
+    assert all((path.stat().st_mode & 0o777) == 0o600 for path in tmp_path.iterdir())
+
+
+def test_a_planted_file_is_dropped_and_a_second_server_refused(params, tmp_path, capsys):
+    """A file named as an entry but holding anything else, and an entry
+    signed with another directory's key, are deleted at start, never fatal;
+    an engine on a directory another engine holds refuses to start."""
+    prompt = prompts(1, seed=7)[0]
+    cache = prefilled_row(params, prompt)
+    other = tmp_path / "other"
+    DiskTier(other, params).keep(tuple(prompt), cache, buffer_bytes(cache))
+    mine = DiskTier(tmp_path / "mine", params)
+    for name in files(other):  # a real entry, signed with the other directory's key
+        shutil.copy(other / name, tmp_path / "mine" / name)
+    (tmp_path / "mine" / file_name(mine.prefix, "", [1, 2, 3])).write_bytes(os.urandom(300))
+    capsys.readouterr()
+    cache_ = PromptCache(BIG, disk=DiskTier(tmp_path / "mine", params))
+    assert cache_.lookup(prompt + [1]) is None
+    assert not files(tmp_path / "mine") and "deleted" in capsys.readouterr().err
+    first = engine_of(params, tmp_path / "mine")
+    try:
+        with pytest.raises(ValueError, match="another server uses the prompt-cache directory"):
+            engine_of(params, tmp_path / "mine")
+    finally:
+        first.close()
+    engine_of(params, tmp_path / "mine").close()  # free again once the first has stopped
 
 
 def test_the_command_line_and_the_engine_take_a_directory(params, tmp_path):

@@ -1,4 +1,4 @@
-"""Prompt-cache files (``dspark_fn.prompt_files``): a prefilled row saved to
+"""Prompt-cache files (``dspark_fn.prompt_cache.files``): a prefilled row saved to
 one file and loaded, in this process or a new one, continues exactly as the
 prefill it was saved from, on a plain target and a hybrid one; a longer
 prompt reuses it and prefills only the rest; and every file that does not
@@ -35,7 +35,7 @@ import dspark_fn
 from dspark_fn import prefilling
 from dspark_fn.catalog import load_named
 from dspark_fn.cli import main
-from dspark_fn.prompt_files import checksum
+from dspark_fn.prompt_cache.files import checksum
 from dspark_fn.sampling import GREEDY, Sampling
 from helpers import build_draft, build_target, draft_config, random_prompt, target_config
 from hybrids import HYBRID_SHAPES, hybrid_draft_config

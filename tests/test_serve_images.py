@@ -170,6 +170,26 @@ def test_a_responses_input_image_answers_as_generate(release, strict):
     assert response.output_text == reference_text(release, chat_text(release.tokenizer, QUESTION, 1), [IMAGE])
 
 
+@pytest.mark.parametrize("source", ["base64", "url"])
+def test_an_anthropic_image_block_answers_as_chat_completions(release, engine, open_server, web, source):
+    """An ``image`` block (base64, or a url source behind --allow-image-urls)
+    in a Messages request answers as the same image sent as an image_url
+    part through chat completions; the same bounds refuse a bad one."""
+    anthropic = pytest.importorskip("anthropic")
+    chat = open_server.chat.completions.create(model="m", messages=[image_message(data_url(png_bytes(IMAGE)))],
+                                               max_tokens=TOKENS, temperature=0)
+    sent = ({"type": "base64", "media_type": "image/png", "data": base64.b64encode(png_bytes(IMAGE)).decode()}
+            if source == "base64" else {"type": "url", "url": web + "/picture.png"})
+    client = anthropic.Anthropic(base_url=str(open_server.base_url).removesuffix("/v1/"), api_key="unused",
+                                 max_retries=0)
+    message = client.messages.create(model="m", max_tokens=TOKENS, extra_body={"temperature": 0}, messages=[
+        {"role": "user", "content": [{"type": "image", "source": sent}, {"type": "text", "text": QUESTION}]}])
+    assert message.content[0].text == chat.choices[0].message.content
+    with pytest.raises(anthropic.BadRequestError, match="base64 does not decode"):
+        client.messages.create(model="m", max_tokens=4, messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "%%%"}}]}])
+
+
 def test_a_second_turn_about_the_image_reuses_its_cache(release, engine, strict):
     """The second turn's prompt starts with the first's (its image by content,
     sent again as another encoding of the same picture): the prompt cache
@@ -370,7 +390,7 @@ def test_pixels_over_the_cap_are_refused_from_the_headers(monkeypatch):
     decoded, read = [], []
     monkeypatch.setattr(ImageFile.ImageFile, "load", lambda image: decoded.append(image))
     sources = ImageSources(max_pixels=20_000_000)
-    monkeypatch.setattr(ImageSources, "read", lambda self, url, param: read.append(url) or png(3000, 3000))
+    monkeypatch.setattr(ImageSources, "read", lambda self, url, param, deadline=None: read.append(url) or png(3000, 3000))
     with pytest.raises(ApiError, match=r"first 3 image\(s\) would decode into 27,000,000 pixels; at most 20,000,000"):
         sources.read_all(["one", "two", "three", "four"], "messages")
     assert read == ["one", "two", "three"] and not decoded
@@ -379,6 +399,14 @@ def test_pixels_over_the_cap_are_refused_from_the_headers(monkeypatch):
 def test_images_within_the_caps_are_read_whole():
     picture = png_bytes(IMAGE)
     assert ImageSources(max_images=2, max_pixels=2 * 24 * 40).read_all([data_url(picture)] * 2, "m") == [picture] * 2
+
+
+def test_a_format_outside_the_webs_own_is_refused():
+    """PIL reads TIFF (and EPS, through Ghostscript); a client's bytes reach only the web's formats."""
+    buffer = io.BytesIO()
+    IMAGE.save(buffer, "TIFF")
+    with pytest.raises(ApiError, match=r"image 1 is not an image this reader knows \(PNG, JPEG, GIF, WEBP, BMP\)"):
+        ImageSources().read_all([data_url(buffer.getvalue())], "messages")
 
 
 def test_a_payload_that_is_no_image_is_named_by_its_index():
@@ -396,10 +424,17 @@ def test_a_payload_that_is_no_image_is_named_by_its_index():
     ("169.254.169.254", False), ("100.64.0.1", False), ("0.0.0.0", False), ("224.0.0.1", False),
     ("240.0.0.1", False), ("255.255.255.255", False), ("::1", False), ("::", False), ("fe80::1", False),
     ("fc00::1", False), ("ff02::1", False), ("::ffff:127.0.0.1", False), ("::ffff:169.254.169.254", False),
-    ("::ffff:93.184.216.34", True),
+    ("::ffff:93.184.216.34", True), ("2002:7f00:1::", False), ("2002:a9fe:a9fe::1", False),
+    ("2002:5db8:d822::1", True),
 ])
 def test_is_public_address(address, public):
     assert is_public_address(address) is public
+
+
+def test_ports_other_than_the_schemes_own_are_refused_without_connecting():
+    sources = ImageSources(urls=True)
+    for url, port in (("http://93.184.216.34:6379/x.png", 6379), ("https://93.184.216.34:80/x.png", 80)):
+        assert f"its port {port}" in refusal(sources, url)
 
 
 def test_private_addresses_are_refused_without_connecting(web):
@@ -417,11 +452,13 @@ def test_a_host_with_one_private_address_among_public_ones_is_refused(monkeypatc
 
 
 @pytest.fixture
-def loopback_public(monkeypatch):
-    """127.0.0.1 counted public: the tests' web server stands for a public
-    one, while every other private address stays refused."""
+def loopback_public(monkeypatch, web):
+    """127.0.0.1 counted public and the web server's port counted http's own:
+    the tests' web server stands for a public one, while every other
+    private address stays refused."""
     vetted = images.is_public_address
     monkeypatch.setattr(images, "is_public_address", lambda address: address == "127.0.0.1" or vetted(address))
+    monkeypatch.setitem(images.DEFAULT_PORTS, "http", int(web.rsplit(":", 1)[1]))
 
 
 def test_a_fetch_from_a_public_address_reads_the_image(web, loopback_public):
@@ -499,7 +536,19 @@ def test_a_dribbling_server_is_cut_at_the_deadline(answer):
         started = time.monotonic()
         message = refusal(ImageSources(urls=True, timeout=1.0, allow_private_hosts=True), url, seconds=3.0)
         assert time.monotonic() - started < 1.5
-    assert message.endswith("failed: it took longer than 1 s")
+    assert message.endswith("failed: the request's fetches took longer than 1 s")
+
+
+def test_a_requests_fetches_share_one_deadline():
+    """Three slow URLs in one request end at the one deadline of the
+    request, not at three: the second and third fetch get what the first left."""
+    answer = b"HTTP/1.1 200 OK\r\nContent-Length: 80\r\n\r\n" + b"x" * 80
+    sources = ImageSources(urls=True, timeout=1.0, allow_private_hosts=True, max_images=8)
+    with dribbling(answer, pause=0.05) as url:
+        started = time.monotonic()
+        with pytest.raises(ApiError, match="the request's fetches took longer than 1 s"):
+            sources.read_all([url, url, url], "messages")
+        assert time.monotonic() - started < 1.5
 
 
 # ``dspark serve``'s image flags

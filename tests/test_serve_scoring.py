@@ -50,9 +50,9 @@ import pytest
 import dspark_fn
 from dspark_fn.buffers import capacity_for
 from dspark_fn.driver import TOP_LOG_PROBS
-from dspark_fn.prefix_scoring import MIN_SHARED
+from dspark_fn.prompt_cache.scoring import MIN_SHARED
 from dspark_fn.sampling import GREEDY, Sampling
-from dspark_fn import prefix_scoring
+from dspark_fn.prompt_cache import scoring as prefix_scoring
 from dspark_fn.serve.engine import Engine, Request
 from helpers import mlx_lm_greedy, random_prompt
 from numerics import assert_fp32_close
@@ -203,7 +203,7 @@ def test_each_scored_prompt_is_kept_for_a_later_turn(pair, engine):  # noqa: F81
     answered(submitted_together(engine, [scoring(p) for p in prompts]))
     kept = engine.prompt_cache.entries
     for prompt in prompts:
-        assert int(kept[tuple(prompt)][0].length[0]) == len(prompt)
+        assert int(kept[("", tuple(prompt))][0].length[0]) == len(prompt)  # the engine's requests: scope ""
     for prompt in prompts:
         follow_up = prompt + random_prompt(rng, 3, VOCAB)
         request = engine.submit(Request(follow_up, 6))

@@ -7,6 +7,7 @@ import pytest
 import dspark_fn
 from dspark_fn import Sampling, benchmark
 from dspark_fn.benchmark import baseline_tokens, dspark_tokens, run_bench, run_side_by_side
+from dspark_fn.schedule import CostCurve
 from dspark_fn.stats import Tally
 from helpers import (
     build_bigram_draft, build_draft, build_target, damp_attention, draft_config, random_prompt, target_config,
@@ -14,6 +15,8 @@ from helpers import (
 
 CONFIG = target_config("qwen3", vocab=128, hidden=32, layers=3, heads=2, kv_heads=1, head_dim=16)
 NEW_TOKENS = 12
+# Fixed round costs: the widths (hence the tallies) of two runs are compared, and learned costs follow the clock.
+COSTS = CostCurve(0.1, {1: 1.0, 2: 1.05, 3: 1.1, 4: 1.15, 5: 1.2})
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +37,7 @@ def setup(tmp_path_factory):
 def own_tally(params, prompts) -> Tally:
     tally = Tally()
     for prompt in prompts:
-        dspark_tokens(params, prompt, NEW_TOKENS, set(), tally)
+        dspark_tokens(params, prompt, NEW_TOKENS, set(), tally, costs=COSTS)
     return tally
 
 
@@ -42,7 +45,7 @@ def test_each_draft_keeps_its_own_acceptance_against_one_shared_baseline(setup):
     model, candidates, prompts = setup
     steps = []
     results = run_side_by_side(candidates, model, prompts, NEW_TOKENS, [], repeats=2,
-                               on_step=lambda: steps.append(1))
+                               on_step=lambda: steps.append(1), costs=COSTS)
     assert list(results) == list(candidates)
     assert len(steps) == 2 * len(prompts)
     tallies = {name: own_tally(params, prompts) for name, params in candidates.items()}
@@ -58,7 +61,7 @@ def test_each_draft_keeps_its_own_acceptance_against_one_shared_baseline(setup):
 
 def test_run_bench_is_one_candidate_with_stage_times(setup):
     model, candidates, prompts = setup
-    result = run_bench(candidates["bigram"], model, prompts, NEW_TOKENS, [], repeats=1)
+    result = run_bench(candidates["bigram"], model, prompts, NEW_TOKENS, [], repeats=1, costs=COSTS)
     assert result.identical
     assert result.acceptance == own_tally(candidates["bigram"], prompts)
     drafting, verifying, rounds = result.stages

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from .. import ops
+from ..optional import require_vlm
 from . import mhc
 from .moe import MoEConfig, moe
 
@@ -35,6 +36,7 @@ class BlockSpec:
 
 def model_args(config: dict) -> dict:
     """The config read with mlx-vlm's defaults (the tree is built from them)."""
+    require_vlm("a deepseek_v4 model")
     from mlx_vlm.models.deepseek_v4.config import ModelConfig
 
     return vars(ModelConfig.from_dict(config))

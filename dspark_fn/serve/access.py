@@ -3,7 +3,10 @@
 Every route but ``/health`` asks for a key when the server has keys:
 ``Authorization: Bearer KEY`` (OpenAI clients) or ``x-api-key: KEY``
 (Anthropic clients), compared in constant time (the digests of the key
-given and of each key held, every key compared). A body larger than the
+given and of each key held, every key compared). A request let in carries
+its tenant (``TENANT``: a digest of its key, "" on a server without keys),
+which scopes what the server keeps for it (``tenant_scope``); ``/health``
+with no valid key tells liveness only. A body larger than the
 bound is refused with a 413 before it is parsed: at once when its
 ``Content-Length`` says so, else as soon as the bytes read pass the bound.
 Errors have the shape of the API the path belongs to.
@@ -19,6 +22,7 @@ from .errors import ApiError
 
 OPEN_PATHS = ("/health",)
 KEY_VARIABLE = "DSPARK_API_KEY"
+TENANT = "dspark.tenant"  # the ASGI scope's entry naming a request's tenant (None: a keyed server, no valid key)
 
 
 def read_keys(keys: list, key_file: str | None) -> tuple:
@@ -72,6 +76,14 @@ def key_matches(given: str, keys: tuple) -> bool:
     return matched
 
 
+def tenant_scope(tenant: str, salt: str | None) -> str:
+    """The prompt-cache scope of a request: its tenant's, and within it its
+    ``cache_salt``'s (vLLM's field). A digest: no key reaches the cache."""
+    if not tenant and salt is None:
+        return ""
+    return hashlib.sha256(f"{tenant}\0{salt if salt is not None else ''}".encode()).hexdigest()[:32]
+
+
 def given_key(headers: dict) -> str:
     """The key a request carries (``headers``: lower-case names, as ASGI gives them)."""
     authorization = headers.get(b"authorization", b"").decode("latin-1")
@@ -90,7 +102,10 @@ class Door:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path, headers = scope["path"], dict(scope["headers"])
-        if self.keys and path not in OPEN_PATHS and not key_matches(given_key(headers), self.keys):
+        key = given_key(headers)
+        valid = not self.keys or key_matches(key, self.keys)
+        scope[TENANT] = (_digest(key).hex() if self.keys else "") if valid else None
+        if not valid and path not in OPEN_PATHS:
             error = ApiError("a valid API key is needed: send it as 'Authorization: Bearer KEY' or 'x-api-key: KEY'",
                              status=401, code="invalid_api_key")
             return await error.response(path)(scope, receive, send)

@@ -20,6 +20,7 @@ start again shuts the server down (``serve`` returns 1).
 import asyncio
 import json
 import secrets
+import sys
 import time
 import uuid
 from importlib import metadata
@@ -37,7 +38,7 @@ from ..stats import combined
 from ..types import prompt_ids
 from . import messages as anthropic
 from . import responses, schema
-from .access import Door, usable_keys
+from .access import TENANT, Door, tenant_scope, usable_keys
 from .detokenizer import ContinuingText, text_after
 from .engine import Engine, EngineFailure, QueueFull, QueueTimeout, Request
 from .errors import ApiError, server_error
@@ -80,8 +81,9 @@ class Api:
     """Turns HTTP bodies into jobs for the engine and jobs' events into responses."""
 
     def __init__(self, engine: Engine, tokenizer, model_name: str, fingerprint: str | None = None,
-                 images: ImageSources = ImageSources()):
+                 images: ImageSources = ImageSources(), tenants: bool = False):
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        self.tenants = tenants  # keys in use: a reply tells nothing of what others' requests proposed
         self.metrics = Metrics(engine)
         self.fingerprint = fingerprint or system_fingerprint(model_name, None)
         self.stop_ids = frozenset(tokenizer_stop_tokens(tokenizer))
@@ -92,14 +94,15 @@ class Api:
 
     # ---- running
 
-    def submit(self, job: Job) -> list[Request]:
+    def submit(self, job: Job, scope: str = "") -> list[Request]:
         """``n`` requests per prompt, in choice order (prompt by prompt), all
-        queued or none (a full queue: those queued already are cancelled)."""
+        queued or none (a full queue: those queued already are cancelled),
+        in the prompt-cache ``scope`` given (``access.tenant_scope``)."""
         prompts = [prompt for prompt in job.prompts for _ in range(job.n)]
         seeds = [job.seed + i if job.seed is not None else secrets.randbits(31) for i in range(len(prompts))]
         requests = [Request(prompt=prompt, max_tokens=job.max_tokens, sampling=job.sampling, seed=seed,
                             stop_tokens=self.stop_ids, top_log_probs=job.top_log_probs, score_prompt=job.scores_prompt,
-                            constraint=job.constraint, grammar=job.grammar)
+                            constraint=job.constraint, grammar=job.grammar, scope=scope)
                     for prompt, seed in zip(prompts, seeds)]
         try:
             for request in requests:
@@ -181,8 +184,7 @@ class Api:
             "acceptance_rate": acceptance.acceptance_rate,
             "rounds": acceptance.rounds,
             "prompt_cache_hit": any(r.cached_tokens for r in requests),
-            "sources": acceptance.sources(),
-        }
+        } | ({} if self.tenants else {"sources": acceptance.sources()})  # a source's rates: others' answers
 
     def envelope(self, job: Job, ident: str, created: int, chunk: bool) -> dict:
         kind = {("chat", False): "chat.completion", ("chat", True): "chat.completion.chunk"}
@@ -377,7 +379,8 @@ def sse(payload: dict) -> str:
 
 def error_response(error: Exception, path: str) -> JSONResponse:
     """The response of a request for ``path`` that failed, in its API's error
-    shape; anything unforeseen propagates (a 500)."""
+    shape; anything unforeseen is a 500 whose traceback goes to the log, not
+    to the client (``errors.server_error``)."""
     if isinstance(error, ApiError):
         return error.response(path)
     if isinstance(error, (EngineFailure, QueueTimeout)):
@@ -386,7 +389,7 @@ def error_response(error: Exception, path: str) -> JSONResponse:
         return ApiError(str(error)).response(path)
     if isinstance(error, RuntimeError):
         return ApiError(str(error), status=503, kind="server_error").response(path)
-    raise error
+    return server_error(error).response(path)
 
 
 def request_body(path: str) -> dict:
@@ -403,12 +406,25 @@ def openapi(app: FastAPI) -> dict:
     return app.openapi_schema
 
 
+DISCONNECT_POLL = 0.5  # seconds between looks at whether a whole reply's client is still there
+
+
+async def cancel_when_gone(http: HttpRequest, requests: list) -> None:
+    """Cancel ``requests`` once their client has left (a whole reply waits
+    with no stream to fail on: without this, a client gone would keep its
+    rows decoding to ``max_tokens``)."""
+    while not await http.is_disconnected():
+        await asyncio.sleep(DISCONNECT_POLL)
+    for request in requests:
+        request.cancel()
+
+
 def create_app(engine: Engine, tokenizer, model_name: str, *, fingerprint: str | None = None, api_keys: tuple = (),
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, image_sources: ImageSources = ImageSources()) -> FastAPI:
-    api = Api(engine, tokenizer, model_name, fingerprint, image_sources)
+    keys = usable_keys([(key, "api_keys") for key in api_keys])  # now: the app is built at its first request
+    api = Api(engine, tokenizer, model_name, fingerprint, image_sources, tenants=bool(keys))
     app = FastAPI(title="dspark serve", docs_url=None, redoc_url=None)
     app.openapi = lambda: openapi(app)
-    keys = usable_keys([(key, "api_keys") for key in api_keys])  # now: the app is built at its first request
     app.add_middleware(Door, keys=keys, max_body_bytes=max_body_bytes)
     app.add_middleware(Counted, metrics=api.metrics)  # outside the door: refusals are counted too
     model = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "dspark"}
@@ -429,17 +445,25 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, fingerprint: str |
         full queue is a 429, a server shutting down a 503: decided before any
         response starts), then answer whole or as a stream."""
         try:
-            body = schema.parsed_body(http.url.path, await http.body())
-            job, *extra = await asyncio.to_thread(read, body)
-            requests = api.submit(job)
+            raw = await http.body()
+
+            def parse_and_read():  # off the event loop: a large body parsed here holds no other request up
+                body = schema.parsed_body(http.url.path, raw)
+                return body, *read(body)
+
+            body, job, *extra = await asyncio.to_thread(parse_and_read)
+            requests = api.submit(job, tenant_scope(http.scope[TENANT], body.get("cache_salt")))
         except Exception as error:
             return error_response(error, http.url.path)
         if job.stream:
             return StreamingResponse(streamed(job, requests, *extra), media_type="text/event-stream")
+        watch = asyncio.ensure_future(cancel_when_gone(http, requests))
         try:
             return JSONResponse(await whole(job, requests, *extra))
         except Exception as error:
             return error_response(error, http.url.path)
+        finally:
+            watch.cancel()
 
     @app.post("/v1/chat/completions", openapi_extra=request_body("/v1/chat/completions"))
     async def chat(http: HttpRequest):
@@ -475,11 +499,12 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, fingerprint: str |
         return model
 
     @app.get("/health")
-    async def health():
+    async def health(http: HttpRequest):
+        """Liveness for anyone; the engine's state too for a request with a valid key (or any, without keys)."""
         if engine.failure is not None:  # starting again after a failure, or dead
             status = "failed" if engine.dead else "restarting"
             return JSONResponse({"status": status, "error": engine.failure}, status_code=503)
-        return {"status": "ok", **engine.stats()}
+        return {"status": "ok"} if http.scope[TENANT] is None else {"status": "ok", **engine.stats()}
 
     @app.get("/metrics")
     async def metrics():
@@ -494,11 +519,27 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, fingerprint: str |
 
 class Server(uvicorn.Server):
     """uvicorn in front of an engine: SIGINT/SIGTERM end the requests in
-    flight, then it shuts down; so does an engine that cannot start again."""
+    flight, then it shuts down; so does an engine that cannot start again.
+    One line on stderr when it accepts requests (``ready``), one when it
+    has stopped."""
 
-    def __init__(self, config: uvicorn.Config, engine: Engine):
+    def __init__(self, config: uvicorn.Config, engine: Engine, ready: str = ""):
         super().__init__(config)
-        self.engine = engine
+        self.engine, self.ready = engine, ready
+
+    async def startup(self, sockets=None):
+        await super().startup(sockets)
+        if self.started and self.ready:
+            print(self.ready, file=sys.stderr, flush=True)
+
+    async def shutdown(self, sockets=None):
+        """Shut down, then say so: here, since uvicorn ends the process with
+        the signal that stopped it as soon as ``run`` returns."""
+        await super().shutdown(sockets)
+        served = self.engine.stats().get("served", {})
+        print(f"dspark serve: stopped ({served.get('generated_tokens', 0)} tokens generated for "
+              f"{self.engine.taken} requests)" + (f"; the engine failed: {self.engine.failure}"
+                                                  if self.engine.dead else ""), file=sys.stderr, flush=True)
 
     def handle_exit(self, sig, frame):
         self.engine.cancel_all()
@@ -515,5 +556,7 @@ def serve(engine: Engine, tokenizer, model_name: str, host: str, port: int, on_s
     ``options``: ``create_app``'s."""
     app = create_app(engine, tokenizer, model_name, **options)
     app.on_event("shutdown")(on_stop)  # after the app's own, which stops the engine
-    Server(uvicorn.Config(app, host=host, port=port, log_level="warning"), engine).run()
+    address = f"http://{host}:{port}/v1"
+    ready = f"dspark serve: ready on {address} (model {model_name})"
+    Server(uvicorn.Config(app, host=host, port=port, log_level="warning"), engine, ready).run()
     return 1 if engine.dead else 0

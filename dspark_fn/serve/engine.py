@@ -15,7 +15,7 @@ A request that ends comes back from the decoder as one record, whose cache
 recurrent states) is kept for the conversation's next turn, under its
 tokens with each image token paired with its image's content hash: a later
 turn about the same image reuses it and never encodes the image again.
-With a prompt-cache directory (``prompt_disk``) the kept caches that leave
+With a prompt-cache directory (``prompt_cache.disk``) the kept caches that leave
 memory, and all of them when the engine stops, are written there as files,
 and an engine started later over the same directory reuses them.
 
@@ -29,7 +29,7 @@ same state, so all take the same decisions and run the same kernels;
 
 A request that asked for its prompt's scores (``score_prompt``) is
 prefilled in a cache of its own, every prompt position scored
-(``prefix_scoring.score_prompts``), before it takes a row. A prefix is
+(``prompt_cache.scoring.score_prompts``), before it takes a row. A prefix is
 reused for it only with its positions' scores: each scored prompt is kept
 in the prompt cache with its scores, and a later scored prompt sharing a
 beginning with it scores only the rest. One that needs nothing past that
@@ -64,6 +64,7 @@ import time
 import traceback
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import NamedTuple
 
 import mlx.core as mx
@@ -72,14 +73,14 @@ from ..checkpoints import materialised
 from ..constraints import Constraint, Grammar
 from ..driver import TOP_LOG_PROBS, Decoder, token_scores
 from ..kernel import TRACE_COUNTS
-from ..prefix_scoring import ScoredRow, score_prompts
+from ..prompt_cache.scoring import ScoredRow, score_prompts
 from ..sampling import GREEDY, Sampling
 from ..stats import Tally
 from ..threads import run_parked
 from ..types import Ended, ImagePrompt, Params, TokenLogProbs, prompt_key
 from .mailbox import Mailbox
-from .prompt_cache import PromptCache
-from .prompt_disk import DEFAULT_BUDGET, DiskTier
+from ..prompt_cache.memory import PromptCache
+from ..prompt_cache.disk import DEFAULT_BUDGET, DiskTier, locked, private_directory
 
 RETRY_AFTER = 1  # seconds a refused client is asked to wait before trying again
 
@@ -112,6 +113,7 @@ class Request:
     score_prompt: bool = False  # score the prompt's tokens too (an Update "prompt" before the first tokens)
     constraint: Constraint | None = None  # what its output must match
     grammar: Grammar | None = None  # the constraint compiled (else the engine compiles it: ``Engine.grammars``)
+    scope: str = ""  # whose prompt-cache entries it may reuse, and whose its own become (``PromptCache``)
     events: Mailbox = field(default_factory=Mailbox)
     acceptance: Tally = field(default_factory=Tally)  # the rounds delivered so far
     cached_tokens: int = 0  # prompt tokens reused from the prompt cache
@@ -140,7 +142,7 @@ class Request:
         return {"prompt": self.prompt, "max_tokens": self.max_tokens, "seed": self.seed,
                 "sampling": [sampling.temperature, sampling.top_k, sampling.top_p],
                 "stop_tokens": sorted(self.stop_tokens), "top_log_probs": self.top_log_probs,
-                "score_prompt": self.score_prompt,
+                "score_prompt": self.score_prompt, "scope": self.scope,
                 "constraint": None if self.constraint is None else list(self.constraint)}
 
     @classmethod
@@ -149,7 +151,7 @@ class Request:
         return cls(prompt=settings["prompt"], max_tokens=settings["max_tokens"],
                    sampling=Sampling(temperature=temperature, top_k=top_k, top_p=top_p), seed=settings["seed"],
                    stop_tokens=frozenset(settings["stop_tokens"]), top_log_probs=settings["top_log_probs"],
-                   score_prompt=settings["score_prompt"],
+                   score_prompt=settings["score_prompt"], scope=settings["scope"],
                    constraint=None if settings["constraint"] is None else Constraint(*settings["constraint"]))
 
 
@@ -198,12 +200,14 @@ class ScoredPrompt(NamedTuple):
 
 
 def scoring_batches(requests: list) -> list[list]:
-    """The scored prompts of one pass as the prefills that score them: every
-    token prompt in one, each image prompt alone (an image row runs the
-    image variant of the chunk kernel and encodes its images: kept off the
-    text rows' prefill)."""
-    texts = [r for r in requests if not isinstance(r.prompt, ImagePrompt)]
-    return ([texts] if texts else []) + [[r] for r in requests if isinstance(r.prompt, ImagePrompt)]
+    """The scored prompts of one pass as the prefills that score them: the
+    token prompts of each scope in one (a beginning they share is scored
+    once, and only a scope's own scored prompts are reused), each image
+    prompt alone (an image row runs the image variant of the chunk kernel
+    and encodes its images: kept off the text rows' prefill)."""
+    scopes = dict.fromkeys(r.scope for r in requests if not isinstance(r.prompt, ImagePrompt))
+    texts = [[r for r in requests if r.scope == scope and not isinstance(r.prompt, ImagePrompt)] for scope in scopes]
+    return texts + [[r] for r in requests if isinstance(r.prompt, ImagePrompt)]
 
 
 def scored_answer(request, row: ScoredRow) -> ScoredPrompt:
@@ -252,6 +256,7 @@ class Engine:
         self.published: dict = {}  # the engine thread's state for other threads (``_publish``)
         self.dead = False  # failed and could not start again
         materialised(params)  # params built by hand may be pending; the engine thread builds all decoding state
+        self.directory_lock = None if prompt_cache_dir is None else locked(private_directory(Path(prompt_cache_dir)))
         disk = None if prompt_cache_dir is None else DiskTier(prompt_cache_dir, params, prompt_cache_dir_bytes)
         self.prompt_cache = PromptCache(prompt_cache_bytes, disk=disk)
         self.decoder, started = None, threading.Event()
@@ -301,6 +306,8 @@ class Engine:
             self.stopping = True
             self.wake.notify()
         self.finished.wait()
+        if self.directory_lock is not None:  # the directory's files are written: another server may take it
+            self.directory_lock.close()
 
     @property
     def queued(self) -> int:
@@ -471,7 +478,7 @@ class Engine:
             else:
                 images = isinstance(request.prompt, ImagePrompt)
                 prefix = self.prompt_cache.lookup(prompt_key(request.prompt),
-                                                  request.prompt.resumable if images else None)
+                                                  request.prompt.resumable if images else None, request.scope)
                 request.cached_tokens = int(prefix.length.item()) if prefix is not None else 0
             self._deliver(self.decoder.insert(
                 [request.prompt], tags=[request.number], sampling=request.sampling, seeds=[request.seed],
@@ -535,16 +542,18 @@ class Engine:
     def _score(self, requests: list) -> list[ScoredRow]:
         """Prefill ``requests``' prompts together, one row each, in a cache of
         their own, scoring every position; the prompt cache's scored prompts
-        give the beginnings they share, and each prompt scored (a beginning
-        several share included) is kept there with its scores. Each row takes
+        of their scope (one for all: ``scoring_batches``) give the beginnings
+        they share, and each prompt scored (a beginning several share
+        included) is kept there with its scores. Each row takes
         its request's sampling settings and the seed a cache of its own would
         give it (rows draw from their seed and own length only: ``rng``), so
         a sampled first token is the same draw whatever batch scores it."""
+        scope = requests[0].scope
         return score_prompts(
             self.params, [request.prompt for request in requests], top=TOP_LOG_PROBS,
             sampling=[request.sampling for request in requests], seeds=[request.seed for request in requests],
-            known=self.prompt_cache.scored_prefix,
-            keep=lambda prompt, cache, scores: self.prompt_cache.store(prompt_key(prompt), cache, scores))
+            known=lambda prompt: self.prompt_cache.scored_prefix(prompt, scope),
+            keep=lambda prompt, cache, scores: self.prompt_cache.store(prompt_key(prompt), cache, scores, scope))
 
     def _deliver(self, step) -> None:
         """Hand each request its new tokens (cut by the decoder at its stop
@@ -568,7 +577,7 @@ class Engine:
         ``(the request, its last update)``. It leaves the engine last: a
         failure on the way still ends it."""
         if ended.cache is not None:
-            self.prompt_cache.store(ended.context, ended.cache)
+            self.prompt_cache.store(ended.context, ended.cache, scope=self.running[ended.tag].scope)
         return self.running.pop(ended.tag), Update("done", ended.finish)
 
     def _send(self, outbox: list) -> None:

@@ -3,6 +3,10 @@ OpenAI's ``{"error": {"message", "type", "param", "code"}}`` or Anthropic's
 ``{"type": "error", "error": {"type", "message"}}`` (routes under
 ``/v1/messages``)."""
 
+import sys
+import traceback
+import uuid
+
 from fastapi.responses import JSONResponse
 
 from .engine import RETRY_AFTER, EngineFailure, QueueTimeout
@@ -38,10 +42,19 @@ class ApiError(Exception):
 
 
 def server_error(error: Exception) -> ApiError:
-    """A request that failed after it was accepted: a 500, or a 504 when it
-    waited for a row past the queue's bound."""
+    """A request that failed after it was accepted: a 504 when it waited for
+    a row past the queue's bound; a 500 naming the engine's failure (its own
+    report); anything else is a fault in the reply's own code, logged with
+    its traceback under a reference the client is given in place of its text."""
     if isinstance(error, QueueTimeout):
         return ApiError(str(error), status=504, code="queue_timeout", kind="timeout_error",
                         headers={"Retry-After": str(RETRY_AFTER)})
-    code = "engine_failure" if isinstance(error, EngineFailure) else None
-    return ApiError(str(error), status=500, code=code, kind="server_error")
+    if isinstance(error, EngineFailure):
+        return ApiError(str(error), status=500, code="engine_failure", kind="server_error")
+    if isinstance(error, ApiError):
+        return error
+    reference = uuid.uuid4().hex[:12]
+    trace = "".join(traceback.format_exception(error))
+    print(f"dspark serve: error {reference} while answering a request:\n{trace}", file=sys.stderr, flush=True)
+    return ApiError(f"the server failed while answering (error {reference} in its log)", status=500,
+                    kind="server_error")

@@ -15,11 +15,13 @@ its image by URL:
 - an ``http(s)://`` URL is fetched only with ``--allow-image-urls``, with the
   standard library: every address its host resolves to must be public (no
   private, loopback, link-local, multicast, reserved or unspecified address,
-  IPv4-mapped ones included), the connection goes to an address that was
+  IPv4-mapped and 6to4 ones included), only on the scheme's own port (80,
+  443: a public host's other ports are its own services), the connection goes to an address that was
   checked (no second lookup for DNS rebinding to answer), at most
   ``MAX_REDIRECTS`` redirects are followed, each checked the same way, and
-  one deadline bounds the whole fetch (lookups, connections, redirects and
-  every read of the body) as one byte bound bounds the body.
+  one deadline bounds all of a request's fetches together (lookups,
+  connections, redirects and every read of the bodies) as one byte bound
+  bounds each body.
 
 A request brings at most ``max_images`` images (``--max-images``), counted
 before any is read, and their sizes as their headers state them add up to
@@ -68,7 +70,7 @@ class ImageSources:
 
     files: Path | None = None  # file:// URLs: regular files under this directory
     urls: bool = False  # http(s):// URLs: fetched by the server
-    timeout: float = 10.0  # seconds a whole fetch may take, redirects included
+    timeout: float = 10.0  # seconds all of a request's fetches may take together, redirects included
     max_bytes: int = 32 << 20  # bytes an image file or fetch may have
     max_images: int = 8  # images a request may bring
     # Decoded pixels of a request's images together: as many as one image may
@@ -83,9 +85,9 @@ class ImageSources:
         if len(urls) > self.max_images:
             raise ApiError(f"{len(urls)} images in one request; at most {self.max_images} are taken "
                            f"(the server's --max-images): send fewer images", param)
-        pictures, pixels = [], 0
+        pictures, pixels, deadline = [], 0, Deadline(self.timeout)  # one for the request: eight slow URLs wait once
         for index, url in enumerate(urls):
-            picture = self.read(url, param)
+            picture = self.read(url, param, deadline)
             pixels += header_pixels(picture, index, param)
             if pixels > self.max_pixels:
                 raise ApiError(f"the request's first {index + 1} image(s) would decode into {pixels:,} pixels; "
@@ -94,8 +96,9 @@ class ImageSources:
             pictures.append(picture)
         return pictures
 
-    def read(self, url, param: str) -> bytes:
-        """The bytes of the image at ``url``, or an ``ApiError`` (400) saying why not."""
+    def read(self, url, param: str, deadline: "Deadline | None" = None) -> bytes:
+        """The bytes of the image at ``url`` (a fetch within ``deadline``, by
+        default one of its own), or an ``ApiError`` (400) saying why not."""
         if not isinstance(url, str) or not url:
             raise ApiError("an image part needs a URL ('image_url': {'url': 'data:image/png;base64,...'})", param)
         scheme = url.split(":", 1)[0].lower()
@@ -110,7 +113,7 @@ class ImageSources:
             if not self.urls:
                 raise ApiError(f"{scheme}:// image URLs are not fetched by this server: send the image as a data: "
                                f"URL, or start the server with --allow-image-urls", param)
-            return self.fetched(url, param)
+            return self.fetched(url, param, deadline or Deadline(self.timeout))
         raise ApiError(f"image URLs of scheme {scheme!r} are not read: use data:, file:// (with "
                        f"--allow-image-files DIR) or http(s):// (with --allow-image-urls)", param)
 
@@ -124,14 +127,15 @@ class ImageSources:
             raise ApiError(f"an image file has more than {self.max_bytes:,} bytes; at most that many are read", param)
         return data
 
-    def fetched(self, url: str, param: str) -> bytes:
+    def fetched(self, url: str, param: str, deadline: "Deadline") -> bytes:
         """The fetched bytes, or a refusal naming the URL sent and what went wrong, nothing of the network's."""
         try:
-            return fetch(url, Deadline(self.timeout), self.max_bytes, self.allow_private_hosts)
+            return fetch(url, deadline, self.max_bytes, self.allow_private_hosts)
         except FetchRefused as refusal:
             raise ApiError(f"fetching image {url} failed: {refusal}", param) from None
         except TimeoutError:
-            raise ApiError(f"fetching image {url} failed: it took longer than {self.timeout:g} s", param) from None
+            raise ApiError(f"fetching image {url} failed: the request's fetches took longer than {self.timeout:g} s",
+                           param) from None
         except ssl.SSLError:
             raise ApiError(f"fetching image {url} failed: the TLS connection failed (is its certificate valid?)",
                            param) from None
@@ -196,6 +200,9 @@ def fetch(url: str, deadline: Deadline, max_bytes: int, allow_private: bool) -> 
     for _ in range(MAX_REDIRECTS + 1):
         scheme, host, port, target = url_parts(url)
         addresses = vetted_addresses(host, port, deadline, allow_private)
+        if not allow_private and port != DEFAULT_PORTS[scheme]:  # a public host's other ports: its own services
+            raise FetchRefused(f"its port {port} (or a redirect's) is not {scheme}'s own ({DEFAULT_PORTS[scheme]}): "
+                               f"this server fetches {scheme} URLs from port {DEFAULT_PORTS[scheme]} only")
         with connected(addresses, scheme, host, deadline) as sock:
             sock.settimeout(deadline.left())
             sock.sendall(request_bytes(host, port, scheme, target))
@@ -241,8 +248,11 @@ def is_public_address(address: str) -> bool:
     its own network's (private, loopback, link-local such as the cloud
     metadata service at 169.254.169.254, multicast, reserved, unspecified)."""
     ip = ipaddress.ip_address(address)
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped:  # ::ffff:127.0.0.1 reaches 127.0.0.1
-        ip = ip.ipv4_mapped
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped:  # ::ffff:127.0.0.1 reaches 127.0.0.1
+            return is_public_address(str(ip.ipv4_mapped))
+        if ip.sixtofour and not is_public_address(str(ip.sixtofour)):  # 2002:7f00:1:: is relayed to 127.0.0.1
+            return False
     return ip.is_global and not (ip.is_private or ip.is_loopback or ip.is_link_local or ip.is_multicast
                                  or ip.is_reserved or ip.is_unspecified)
 

@@ -1,7 +1,10 @@
 """The Anthropic Messages API (``POST /v1/messages``) over the same engine as chat completions.
 
 A request becomes a chat completion: ``system`` a system message, each
-message's text blocks its text, ``tool_use`` blocks an assistant turn's
+message's text blocks its text, ``image`` blocks of a user turn its image
+parts, in order (a base64 source as a ``data:`` URL, a url source as its
+URL: the same bounds and refusals as images in chat completions),
+``tool_use`` blocks an assistant turn's
 tool calls and ``tool_result`` blocks tool messages; ``tools``
 (``input_schema``) and ``tool_choice`` (auto, any, tool, none: "any" and
 "tool" hold the reply to calls, one only with ``disable_parallel_tool_use``)
@@ -10,8 +13,8 @@ and ``tool_use`` blocks, ``stop_reason`` end_turn, max_tokens,
 stop_sequence or tool_use, ``usage`` with the tokens the prompt cache
 served as ``cache_read_input_tokens``), or, streamed, the typed events from
 ``message_start`` to ``message_stop``. Errors have Anthropic's shape
-(``errors.py``). Not supported: images and documents, thinking (earlier
-thinking blocks are dropped), server tools, batches.
+(``errors.py``). Not supported: documents, thinking (earlier thinking
+blocks are dropped), server tools, batches.
 """
 
 import json
@@ -36,16 +39,33 @@ def _text(blocks: list, where: str) -> str:
     return "".join(block.get("text", "") for block in blocks)
 
 
+def image_url(block: dict) -> str:
+    """An ``image`` block's source as the URL an ``image_url`` chat part takes."""
+    source = block.get("source") or {}
+    if source.get("type") == "base64":
+        if not source.get("media_type") or not isinstance(source.get("data"), str):
+            raise ApiError("an image block's base64 source needs its 'media_type' and 'data'", "messages")
+        return f"data:{source['media_type']};base64,{source['data']}"
+    if source.get("type") == "url" and isinstance(source.get("url"), str):
+        return source["url"]
+    raise ApiError("an image block's source is {'type': 'base64', 'media_type', 'data'} or {'type': 'url', 'url'}",
+                   "messages")
+
+
 def _turns(message) -> list:
     """One Messages turn as chat messages: tool results first (each a tool
-    message), then the text and the calls it makes."""
+    message), then the text (with a user turn's images, as chat parts) and
+    the calls it makes."""
     if not isinstance(message, dict) or message.get("role") not in ROLES:
         raise ApiError(f"each message needs a 'role' ({' or '.join(ROLES)}) and a 'content'", "messages")
-    role, text, calls, results = message["role"], "", [], []
+    role, text, calls, results, parts = message["role"], "", [], [], []
     for block in _blocks(message.get("content"), message["role"]):
         kind = block.get("type")
         if kind == "text":
             text += block.get("text", "")
+            parts.append({"type": "text", "text": block.get("text", "")})
+        elif kind == "image" and role == "user":
+            parts.append({"type": "image_url", "image_url": {"url": image_url(block)}})
         elif kind == "tool_use" and role == "assistant":
             calls.append({"id": block.get("id"), "type": "function",
                           "function": {"name": block.get("name"), "arguments": json.dumps(block.get("input", {}))}})
@@ -58,9 +78,11 @@ def _turns(message) -> list:
             continue  # nothing here thinks: an earlier turn's thinking does not go back in
         else:
             raise ApiError(f"content blocks of type {kind!r} are not supported in a {role} message (text, tool_use "
-                           f"in assistant turns, tool_result in user turns)", "messages")
-    turn = [{"role": role, "content": text or None, **({"tool_calls": calls} if calls else {})}]
-    return results + (turn if text or calls or not results else [])
+                           f"in assistant turns, image and tool_result in user turns)", "messages")
+    pictured = any(part["type"] == "image_url" for part in parts)
+    content = parts if pictured else text or None
+    turn = [{"role": role, "content": content, **({"tool_calls": calls} if calls else {})}]
+    return results + (turn if text or calls or pictured or not results else [])
 
 
 def _chat_tools(tools) -> list | None:

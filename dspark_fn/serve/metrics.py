@@ -7,7 +7,8 @@ the latency between tokens are observed as each reply's tokens arrive
 snapshot the engine's thread publishes (``Engine.stats``): prompt and
 generated tokens, rounds, proposed and accepted tokens and tau per proposal
 source, queue depth, busy and batch rows, requests refused and timed out,
-kernels compiled. Metric names follow vLLM's and TGI's where they have one.
+kernels compiled, and the prompt cache's bytes, entries, hits and misses
+(a cache filling up tells itself apart from a leak there). Metric names follow vLLM's and TGI's where they have one.
 """
 
 import time
@@ -46,6 +47,11 @@ class EngineCollector:
         yield counter("dspark_requests_timed_out", "Requests that waited past the queue's bound",
                       queue.get("timed_out", 0))
         yield counter("dspark_kernels_compiled", "Kernels traced and compiled", sum(stats.get("traces", {}).values()))
+        cache = stats.get("prompt_cache") or {}
+        yield gauge("dspark_prompt_cache_bytes", "Bytes of the prompt cache's entries in memory", cache.get("bytes", 0))
+        yield gauge("dspark_prompt_cache_entries", "Entries of the prompt cache in memory", cache.get("entries", 0))
+        yield counter("dspark_prompt_cache_hits", "Prompts that reused a cached prefix", cache.get("hits", 0))
+        yield counter("dspark_prompt_cache_misses", "Prompts that found no cached prefix", cache.get("misses", 0))
         by_source = {
             "rounds": CounterMetricFamily("dspark_rounds", "Decoding rounds", labels=["source"]),
             "drafted": CounterMetricFamily("dspark_proposed_tokens", "Proposed tokens verified", labels=["source"]),

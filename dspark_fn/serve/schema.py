@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, Validatio
 from .errors import ApiError
 
 MAX_DEPTH = 64  # JSON nesting: a tool schema a few levels deep fits many times over
+MAX_NODES = 300_000  # JSON objects and numbers in a body: 64 prompts of 4,096 token ids fit
 MAX_INT = (1 << 63) - 1  # the largest integer any count or seed may be (past it: not a count)
 MAX_MESSAGES = 4096
 MAX_TOOLS = 128
@@ -39,9 +40,24 @@ MAX_LOGIT_BIAS = 300  # OpenAI's bound on logit_bias entries
 NAME_LENGTH = 256  # model names, ids, tool names, roles
 
 
+class TooManyNodes(ValueError):
+    pass
+
+
 def strict_json(raw: bytes):
     """``raw`` as JSON, or an ``ApiError``: refuses ``NaN``, ``Infinity``,
-    numbers that overflow a float, invalid UTF-8 and nesting past ``MAX_DEPTH``."""
+    numbers that overflow a float, invalid UTF-8, nesting past ``MAX_DEPTH``
+    and more than ``MAX_NODES`` objects and numbers (counted as the parser
+    meets them, so a body of a million small parts stops early: the parse
+    holds the interpreter, and with it every other request, while it runs)."""
+    nodes = [0]
+
+    def counted(value):
+        nodes[0] += 1
+        if nodes[0] > MAX_NODES:
+            raise TooManyNodes(f"the request body holds more than {MAX_NODES} JSON objects and numbers")
+        return value
+
     def no_constant(name: str):
         raise ValueError(f"{name} is not a JSON number")
 
@@ -49,10 +65,13 @@ def strict_json(raw: bytes):
         value = float(text)
         if not math.isfinite(value):
             raise ValueError(f"the number {text[:32]} is out of range")
-        return value
+        return counted(value)
 
     try:
-        body = json.loads(raw, parse_constant=no_constant, parse_float=finite)
+        body = json.loads(raw, parse_constant=no_constant, parse_float=finite,
+                          parse_int=lambda text: counted(int(text)), object_pairs_hook=lambda pairs: counted(dict(pairs)))
+    except TooManyNodes as error:
+        raise ApiError(str(error)) from None
     except RecursionError:
         raise ApiError(f"the request body nests deeper than {MAX_DEPTH} levels") from None
     except (ValueError, UnicodeDecodeError) as error:  # JSONDecodeError is a ValueError
@@ -81,6 +100,7 @@ def nesting(value) -> int:
 Count = Annotated[int, Field(ge=0, le=MAX_INT)]
 Seed = Annotated[int, Field(ge=-MAX_INT - 1, le=MAX_INT)]
 Name = Annotated[str, Field(max_length=NAME_LENGTH)]
+Salt = Annotated[str, Field(max_length=NAME_LENGTH)]  # cache_salt: a request's own prompt-cache scope (vLLM's field)
 Temperature = Annotated[float, Field(ge=0, le=2)]
 TopP = Annotated[float, Field(gt=0, le=1)]
 Penalty = Annotated[float, Field(ge=-2, le=2)]
@@ -210,6 +230,7 @@ class Sampled(Declared):
     presence_penalty: Penalty | None = None
     logit_bias: LogitBias | None = None
     user: str | None = None
+    cache_salt: Salt | None = None
 
 
 class ChatRequest(Sampled):
@@ -296,6 +317,7 @@ class ResponsesRequest(Declared):
     stream: bool | None = None
     store: bool | None = None
     user: str | None = None
+    cache_salt: Salt | None = None
 
 
 # ---- Anthropic Messages
@@ -315,7 +337,19 @@ class ToolResult(Declared):
     is_error: bool | None = None
 
 
-Block = by_type(text=TextPart, tool_use=ToolUse, tool_result=ToolResult)
+class ImageSource(Declared):
+    type: Literal["base64", "url"]
+    media_type: Literal["image/jpeg", "image/png", "image/gif", "image/webp"] | None = None
+    data: str | None = None
+    url: str | None = None
+
+
+class ImageBlock(Declared):
+    type: Literal["image"]
+    source: ImageSource
+
+
+Block = by_type(text=TextPart, image=ImageBlock, tool_use=ToolUse, tool_result=ToolResult)
 
 
 class AnthropicMessage(Declared):
@@ -354,6 +388,7 @@ class MessagesRequest(Declared):
     tools: Annotated[list[AnthropicTool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: AnthropicToolChoice | None = None
     metadata: JsonObject | None = None
+    cache_salt: Salt | None = None
 
 
 ENDPOINTS = {"/v1/chat/completions": ChatRequest, "/v1/completions": CompletionRequest,

@@ -43,6 +43,7 @@ from ..layers.deepseek_v4 import (
     query_residual,
     rope_inv_freq,
 )
+from ..optional import require_vlm
 from .base import decoder_layers, model_fields
 
 
@@ -91,6 +92,7 @@ def load_params(directory) -> dict:
     and mlx-vlm's ``sanitize`` maps the names. A checkpoint mlx-vlm wrote
     (``language_model.*`` keys) goes through mlx-vlm's own loader.
     """
+    require_vlm("a deepseek_v4 target")
     from mlx_vlm.models.deepseek_v4.config import ModelConfig
     from mlx_vlm.models.deepseek_v4.language import LanguageModel
     from mlx_vlm.utils import load_model

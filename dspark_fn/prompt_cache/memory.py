@@ -15,7 +15,13 @@ The entries are also kept in least recently used order, their bytes summed
 as they come and go: storing evicts the oldest past the budget, each
 eviction unlinking one entry's path.
 
-With a disk tier (``prompt_disk``) an entry evicted leaves for a file rather
+Entries are kept apart by scope (the server's: one per API key, and per
+``cache_salt`` a request gives): each scope has a trie of its own, and a
+lookup walks only its own, so nothing a scope stored is found, or tells
+of itself (``cached_tokens``), from another. The budget and the order of
+use are the whole cache's.
+
+With a disk tier (``disk``) an entry evicted leaves for a file rather
 than for nothing, and so does every entry when the engine stops; a lookup
 walks the disk tier's index (a trie like this one, of the files' tokens)
 too, and a file sharing more with the prompt than any entry in memory is
@@ -30,8 +36,8 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from ..cache import Cache
-from ..prefix_scoring import ScoredPrefix, common_length, scored_prefix
 from ..types import TokenLogProbs
+from .scoring import ScoredPrefix, common_length, scored_prefix
 
 
 class Entry(NamedTuple):
@@ -39,6 +45,7 @@ class Entry(NamedTuple):
     size: int  # bytes of its buffers (and scores)
     recurrent: bool  # its states hold after all its tokens only: reusable whole or not at all
     scores: TokenLogProbs | None = None  # [1, tokens - 1] each token's after the first, where it was scored
+    scope: str = ""  # whose it is (``PrefixTrie``)
 
     @property
     def scored(self) -> bool:
@@ -169,12 +176,12 @@ class PrefixTrie:
     used order, their bytes summed. An entry is any record with a ``size``
     and a ``recurrent`` flag: the prompt cache keeps caches in one
     (``PromptCache``) and its disk tier the files on disk in another
-    (``prompt_disk.DiskTier``); the rules of reuse are the same for both.
+    (``disk.DiskTier``); the rules of reuse are the same for both.
     An entry with ``scored`` true holds its tokens' scores too: a scored
     prompt reuses only those (``longest_scored``)."""
 
     def __init__(self):
-        self.root = Node()
+        self.roots: dict = {}  # scope -> the root of its trie
         self.lru: OrderedDict = OrderedDict()  # the nodes holding entries, least recently used first
         self.used = 0  # bytes of all entries
 
@@ -182,14 +189,19 @@ class PrefixTrie:
         return len(self.lru)
 
     def clear(self) -> None:
-        self.root, self.used = Node(), 0
+        self.roots, self.used = {}, 0
         self.lru.clear()
 
-    def put(self, tokens: tuple, entry) -> Node:
-        """``entry`` under ``tokens``, the most recently used, in place of any
-        entry stored under the same tokens; the node that holds it (it stays
-        that entry's node until the entry is removed or replaced)."""
-        node = graft(self.root, tokens)
+    def root(self, scope: str) -> Node:
+        """The root of ``scope``'s trie (an empty one for a scope that stored nothing)."""
+        return self.roots.get(scope) or Node()
+
+    def put(self, tokens: tuple, entry, scope: str = "") -> Node:
+        """``entry`` under ``tokens`` in ``scope``, the most recently used, in
+        place of any entry stored there under the same tokens; the node that
+        holds it (it stays that entry's node until the entry is removed or
+        replaced)."""
+        node = graft(self.roots.setdefault(scope, Node()), tokens)
         if node.entry is not None:
             self._release(node)
             del self.lru[node]
@@ -214,16 +226,16 @@ class PrefixTrie:
     def oldest(self) -> Node:
         return next(iter(self.lru))
 
-    def longest(self, prompt: list, resumable=None) -> tuple[int, Node | None]:
-        """``(length, node)``: the longest prefix of ``prompt`` an entry can
-        serve, and the node of that entry (0 and None where none serves
-        any). The prefix leaves at least one prompt token, and with
+    def longest(self, prompt: list, resumable=None, scope: str = "") -> tuple[int, Node | None]:
+        """``(length, node)``: the longest prefix of ``prompt`` an entry of
+        ``scope`` can serve, and the node of that entry (0 and None where
+        none serves any). The prefix leaves at least one prompt token, and with
         ``resumable`` it is the longest that allows (not inside an image);
         ``resumable`` only shortens, and a longer prefix never resumes
         earlier than a shorter one, so the deepest shared prefix gives the
         longest cut. Nothing is marked used."""
         resume = resumable if resumable is not None else unchanged
-        path = descend(self.root, tuple(prompt[: len(prompt) - 1]))
+        path = descend(self.root(scope), tuple(prompt[: len(prompt) - 1]))
         length, holder = 0, None
         cuttable = [(node, reach) for node, reach in path if node.counts[PLAIN]]
         if cuttable:  # the deepest such node: its entries share the most with the prompt
@@ -238,11 +250,11 @@ class PrefixTrie:
                 break
         return length, holder
 
-    def longest_scored(self, prompt: list) -> tuple[int, Node | None]:
+    def longest_scored(self, prompt: list, scope: str = "") -> tuple[int, Node | None]:
         """``(length, node)``: the longest prefix of ``prompt``, short of its
-        last token, that a scored entry shares, and that entry's node (0 and
-        None where none shares any). Nothing is marked used."""
-        path = descend(self.root, tuple(prompt[: len(prompt) - 1]))
+        last token, that a scored entry of ``scope`` shares, and that entry's
+        node (0 and None where none shares any). Nothing is marked used."""
+        path = descend(self.root(scope), tuple(prompt[: len(prompt) - 1]))
         scored = [(node, reach) for node, reach in path if node.counts[SCORED]]
         if not scored:
             return 0, None
@@ -257,7 +269,7 @@ class PromptCache(PrefixTrie):
     is reused only whole: its states are those after all its tokens, so it
     matches only a prompt that starts with every one of them.
 
-    With a ``disk`` tier (``prompt_disk.DiskTier``) an entry evicted from
+    With a ``disk`` tier (``disk.DiskTier``) an entry evicted from
     memory is written there, and so is every entry at ``spill`` (the
     engine's stop); a lookup that finds a longer prefix on disk than in
     memory loads that file, checked, and keeps it in memory again."""
@@ -269,19 +281,20 @@ class PromptCache(PrefixTrie):
 
     @property
     def entries(self) -> MappingProxyType:
-        """What is stored in memory, for inspection: tokens -> (cache, bytes),
-        least recently used first; rebuilt from the trie at each call, read-only."""
-        return MappingProxyType({tokens_of(node): (node.entry.cache, node.entry.size) for node in self.lru})
+        """What is stored in memory, for inspection: (scope, tokens) -> (cache,
+        bytes), least recently used first; rebuilt from the trie at each call, read-only."""
+        return MappingProxyType({(node.entry.scope, tokens_of(node)): (node.entry.cache, node.entry.size)
+                                 for node in self.lru})
 
     def clear(self) -> None:
         """Drop every entry in memory (the counts of hits and misses go on;
         the disk tier's files stay: each is checked again when loaded)."""
         super().clear()
 
-    def store(self, tokens: list, cache: Cache, scores: TokenLogProbs | None = None) -> None:
+    def store(self, tokens: list, cache: Cache, scores: TokenLogProbs | None = None, scope: str = "") -> None:
         """Keep a one-row ``cache`` in buffers of its own (``buffers.row_cache``)
-        under the leading tokens of ``tokens`` it holds (its length), in place
-        of any cache stored under the same tokens; with a scored prompt's
+        in ``scope``, under the leading tokens of ``tokens`` it holds (its
+        length), in place of any cache stored there under the same tokens; with a scored prompt's
         ``scores`` (``[1, length - 1]``), which a later scored prompt reuses
         (``scored_prefix``; not kept with recurrent states: those prefixes
         never resume short of their end)."""
@@ -292,14 +305,14 @@ class PromptCache(PrefixTrie):
         kept = (cache.target, cache.draft, cache.history) + ((scores,) if scores is not None else ())
         mx.eval(kept)  # the running batch's buffers stay free to update in place
         size = sum(a.nbytes for _, a in tree_flatten(kept))
-        self.put(tokens, Entry(cache, size, cache.recurrent, scores))
+        self.put(tokens, Entry(cache, size, cache.recurrent, scores, scope), scope)
         while self.lru and self.used > self.budget:
             self._evict(self.oldest())
 
     def _evict(self, node: Node) -> None:
         """Take ``node``'s entry out of memory, onto disk where there is a disk tier."""
         if self.disk is not None:
-            self.disk.keep(tokens_of(node), node.entry.cache, node.entry.size)
+            self.disk.keep(tokens_of(node), node.entry.cache, node.entry.size, node.entry.scope)
         self.remove(node)
 
     def spill(self) -> None:
@@ -308,16 +321,16 @@ class PromptCache(PrefixTrie):
         keeps them."""
         if self.disk is not None:
             for node in list(self.lru):
-                self.disk.keep(tokens_of(node), node.entry.cache, node.entry.size)
+                self.disk.keep(tokens_of(node), node.entry.cache, node.entry.size, node.entry.scope)
 
-    def lookup(self, prompt: list, resumable=None) -> Cache | None:
-        """The stored cache sharing the longest prefix with ``prompt`` (a
-        ``prompt_key``: images by their content), its length cut to that
-        prefix (and to leave at least one prompt token; with ``resumable``,
-        to the longest prefix it allows: not inside an image); from disk
-        where a file there shares more than any entry in memory."""
-        length, holder = self.longest(prompt, resumable)
-        if self.disk is not None and (found := self._load(prompt, resumable, length)) is not None:
+    def lookup(self, prompt: list, resumable=None, scope: str = "") -> Cache | None:
+        """The cache stored in ``scope`` sharing the longest prefix with
+        ``prompt`` (a ``prompt_key``: images by their content), its length
+        cut to that prefix (and to leave at least one prompt token; with
+        ``resumable``, to the longest prefix it allows: not inside an image);
+        from disk where a file of the scope shares more than any entry in memory."""
+        length, holder = self.longest(prompt, resumable, scope)
+        if self.disk is not None and (found := self._load(prompt, resumable, length, scope)) is not None:
             self.hits += 1
             return found
         if length < max(self.min_tokens, 1):  # an empty prefix saves nothing
@@ -327,12 +340,12 @@ class PromptCache(PrefixTrie):
         self.lru.move_to_end(holder)
         return holder.entry.cache._replace(length=mx.array([length], mx.int32))
 
-    def scored_prefix(self, prompt: list) -> ScoredPrefix | None:
-        """The longest beginning of ``prompt`` a kept scored prompt shares, as
-        a ``ScoredPrefix`` (its positions but the last shared one, and their
-        scores), or None where it saves fewer than ``min_tokens``. Files on
-        disk hold no scores: only entries in memory serve."""
-        shared, holder = self.longest_scored(prompt)
+    def scored_prefix(self, prompt: list, scope: str = "") -> ScoredPrefix | None:
+        """The longest beginning of ``prompt`` a scored prompt kept in
+        ``scope`` shares, as a ``ScoredPrefix`` (its positions but the last
+        shared one, and their scores), or None where it saves fewer than
+        ``min_tokens``. Files on disk hold no scores: only entries in memory serve."""
+        shared, holder = self.longest_scored(prompt, scope)
         if shared - 1 < max(self.min_tokens, 1):
             self.misses += 1
             return None
@@ -340,17 +353,17 @@ class PromptCache(PrefixTrie):
         self.lru.move_to_end(holder)
         return scored_prefix(holder.entry.cache, holder.entry.scores, shared)
 
-    def _load(self, prompt: list, resumable, beaten: int) -> Cache | None:
-        """The disk tier's cache for the longest prefix of ``prompt`` it holds
-        past ``beaten`` tokens (and ``min_tokens``), kept in memory again, its
-        length cut to that prefix; None where it holds none. A file that
-        fails its checks is dropped, and the next best tried."""
+    def _load(self, prompt: list, resumable, beaten: int, scope: str) -> Cache | None:
+        """The disk tier's cache of ``scope`` for the longest prefix of
+        ``prompt`` it holds past ``beaten`` tokens (and ``min_tokens``), kept
+        in memory again, its length cut to that prefix; None where it holds
+        none. A file that fails its checks is dropped, and the next best tried."""
         while True:
-            length, node = self.disk.longest(prompt, resumable)
+            length, node = self.disk.longest(prompt, resumable, scope)
             if length <= beaten or length < max(self.min_tokens, 1):
                 return None
             tokens = tokens_of(node)
             cache = self.disk.load(node)
             if cache is not None:
-                self.store(tokens, cache)
+                self.store(tokens, cache, scope=scope)
                 return cache._replace(length=mx.array([length], mx.int32))

@@ -31,11 +31,11 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten, tree_map_with_path
 
-from . import atomic
-from .buffers import capacity_for, grow_cache, init_cache, row_cache
-from .cache import Cache, map_slots
-from .targets import activation_dtype
-from .types import ImagePrompt, Params
+from .. import atomic
+from ..buffers import capacity_for, grow_cache, init_cache, row_cache
+from ..cache import Cache, map_slots
+from ..targets import activation_dtype
+from ..types import ImagePrompt, Params
 
 FORMAT = "dspark_fn prompt cache"
 VERSION = 1  # raised whenever what a file holds, or how it is laid out, changes
@@ -106,14 +106,16 @@ def checksum(fields: dict, tensors: dict, key: bytes | None = None) -> str:
 
 
 def save_prompt_cache(path, params: Params, cache: Cache, tokens, anchor, *, row: int = 0,
-                      key: bytes | None = None) -> Path:
+                      key: bytes | None = None, labels: dict | None = None) -> Path:
     """Save row ``row`` of a prefilled ``cache`` to the file ``path`` (written
     whole or not at all): its buffers cut to its committed length, its seed,
     the prompt ``tokens`` it holds (exactly ``cache.length[row]`` of them)
     and ``anchor``, the first token chosen after them (an int, or the
     ``tokens [B]`` ``prefill`` returns, whose entry ``row`` is taken).
     ``key``: sign the file (an HMAC under the key), for a file that crosses
-    a trust boundary. Returns the path."""
+    a trust boundary. ``labels``: strings of the caller's, kept (and signed)
+    as the fields ``label.NAME`` (``read_fields`` gives them back). Returns
+    the path."""
     if isinstance(tokens, ImagePrompt):
         raise ValueError("a prompt with images cannot be saved to a prompt-cache file: it holds token ids only")
     tokens = [int(t) for t in (tokens.tolist() if isinstance(tokens, mx.array) else tokens)]
@@ -130,6 +132,7 @@ def save_prompt_cache(path, params: Params, cache: Cache, tokens, anchor, *, row
     mx.eval(tensors)
     fields = {"format": FORMAT, "version": str(VERSION), "tokens": json.dumps(tokens), "anchor": str(first),
               "length": str(length), "capacity": str(one.capacity), "rows": "1"} | pair_fields(params)
+    fields |= {f"label.{name}": str(value) for name, value in (labels or {}).items()}
     if key is not None:
         fields["keyed"] = KEYED
     fields["checksum"] = checksum(fields, tensors, key)

@@ -25,12 +25,12 @@ from typing import Callable, NamedTuple, Sequence
 
 import mlx.core as mx
 
-from .buffers import capacity_for, grow_cache, holds_recurrent_states, init_cache, row_cache
-from .cache import Cache, map_arrays
-from .prefilling import PREFILL_CHUNK, score_prompt
-from .rng import row_seeds
-from .sampling import GREEDY
-from .types import ImagePrompt, Params, TokenLogProbs
+from ..buffers import capacity_for, grow_cache, holds_recurrent_states, init_cache, row_cache
+from ..cache import Cache, map_arrays
+from ..prefilling import PREFILL_CHUNK, score_prompt
+from ..rng import row_seeds
+from ..sampling import GREEDY
+from ..types import ImagePrompt, Params, TokenLogProbs
 
 MIN_SHARED = PREFILL_CHUNK  # tokens a shared beginning must save a prompt to be scored on its own first
 
