@@ -4,7 +4,8 @@ every kernel it meets, and nothing dspark_fn ever kept is there).
 
 - ``dspark generate`` of a short question on the embedded default: seconds
   from the command's start to its exit (the answer printed), and whether
-  any line on stderr speaks of timing round costs;
+  any line on stderr speaks of timing round costs; by default (MLX builds
+  its CPU kernels) and with ``DSPARK_CPU_JIT=0`` (it builds none);
 - ``dspark serve`` on the embedded default: seconds from the command's
   start to the first ``/health`` that answers 200, and to its "ready" line.
 
@@ -26,17 +27,17 @@ REPEATS = int(os.environ.get("REPEATS", 2))
 QUESTION = "What is the capital of France?"
 
 
-def fresh_environment() -> dict:
+def fresh_environment(**extra) -> dict:
     scratch = tempfile.mkdtemp(prefix="first-")
     os.makedirs(os.path.join(scratch, "tmp"))
-    return os.environ | {"DSPARK_FN_CACHE": os.path.join(scratch, "cache"), "TMPDIR": os.path.join(scratch, "tmp")}
+    return os.environ | {"DSPARK_FN_CACHE": os.path.join(scratch, "cache"), "TMPDIR": os.path.join(scratch, "tmp")} | extra
 
 
-def first_answer() -> tuple[float, str, str]:
+def first_answer(**extra) -> tuple[float, str, str]:
     """``(seconds, answer, stderr)`` of the first ``dspark generate`` on empty caches."""
     start = time.monotonic()
     done = subprocess.run([sys.executable, "-m", "dspark_fn.cli", "generate", "--max-tokens", "32", QUESTION],
-                          capture_output=True, text=True, env=fresh_environment(), timeout=600)
+                          capture_output=True, text=True, env=fresh_environment(**extra), timeout=600)
     assert done.returncode == 0, done.stderr
     return time.monotonic() - start, done.stdout.strip(), done.stderr
 
@@ -68,13 +69,15 @@ def first_server() -> tuple[float, float]:
 
 
 def main() -> None:
-    print("| repeat | first answer, s | stderr speaks of timing costs | /health 200, s | ready line, s |")
-    print("|---|---|---|---|---|")
+    print("| repeat | first answer, s | with DSPARK_CPU_JIT=0, s | stderr speaks of timing costs | /health 200, s | "
+          "ready line, s |")
+    print("|---|---|---|---|---|---|")
     for repeat in range(REPEATS):
         seconds, answer, stderr = first_answer()
+        without_jit, _, _ = first_answer(DSPARK_CPU_JIT="0")
         healthy, ready = first_server()
-        print(f"| {repeat + 1} | {seconds:.1f} | {'yes' if 'round costs' in stderr else 'no'} | {healthy:.1f} | "
-              f"{ready:.1f} |", flush=True)
+        print(f"| {repeat + 1} | {seconds:.1f} | {without_jit:.1f} | {'yes' if 'round costs' in stderr else 'no'} | "
+              f"{healthy:.1f} | {ready:.1f} |", flush=True)
     print(f"\nthe answer: {answer!r}")
 
 

@@ -342,7 +342,7 @@ def prompt_cache_prefix(args, params, prompt: list):
 
 def run_generate(args) -> int:
     from .driver import generate
-    from .kernel import TRACE_COUNTS
+    from .kernel import compilations
     from .stats import DecodeClock
 
     if args.image:
@@ -364,7 +364,7 @@ def run_generate(args) -> int:
     sequences, overall = {index: [] for index in range(len(prompts))}, Tally()  # the prompt's index -> its events
     if args.compare:
         warm_up(generate(params, prompts, args.max_tokens, stop_tokens=stop, **options))
-    clock = DecodeClock(lambda: sum(TRACE_COUNTS.values()))
+    clock = DecodeClock(compilations)
     start = time.perf_counter()
     try:
         prefix = prompt_cache_prefix(args, params, prompts[0]) if cached else None

@@ -23,7 +23,10 @@ from typing import Callable
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from . import cpu_jit
 from .threads import note_decoding_thread
+
+cpu_jit.keep_off()  # before any kernel is traced, where DSPARK_CPU_JIT=0 asks (cpu_jit.py)
 
 TRACE_COUNTS: Counter = Counter()
 TRACES: list = []  # (name, kernel number, argument signature) of each trace, in order
@@ -94,3 +97,29 @@ def compiled(name: str, fn: Callable) -> Callable:
             calling.args = None
 
     return call
+
+
+def _keeps_traces() -> bool:
+    """Whether MLX keeps a compiled function's trace in this process: not
+    where compilation is off (``MLX_DISABLE_COMPILE``, or on the CPU without
+    its kernel JIT: ``cpu_jit.py``), where the function runs as written on
+    every call."""
+    calls = []
+
+    def counted(x):
+        calls.append(1)
+        return x + 1
+
+    kernel = mx.compile(counted)
+    for _ in range(2):
+        mx.eval(kernel(mx.zeros((1,))))
+    return len(calls) == 1
+
+
+TRACES_KEPT = _keeps_traces()
+
+
+def compilations() -> int:
+    """Kernels compiled so far in this process: its traces where MLX keeps
+    them, else none (a trace then compiles nothing: it runs every call)."""
+    return sum(TRACE_COUNTS.values()) if TRACES_KEPT else 0

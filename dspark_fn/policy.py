@@ -53,7 +53,7 @@ from .buffers import check_free_slots
 from .cache import Cache
 from .copying import LONGEST_MATCH, copy_offers, endings
 from .costs import RoundCosts
-from .kernel import TRACE_COUNTS
+from .kernel import compilations
 from .rounds import no_proposal, propose, undrafted, verify
 from .sampling import GREEDY, Mode, batch_sampling
 from .schedule import (NOTHING, CostCurve, Gate, Kinds, Offer, Offers, Outcomes, Plan, Settings, SlotRates, bucket_for,
@@ -197,7 +197,7 @@ def speculate(params: Params, cache: Cache, tokens: mx.array, *, width: int | No
     the chosen width never exceeds a row's free slots: a ``ValueError``
     before anything runs when a row has none (``grow_cache`` makes room).
     """
-    start, traces = time.perf_counter(), traced()
+    start, compiled_before = time.perf_counter(), compilations()
     settings = Settings(params.spec.block_size, width, proposals, threshold).checked()
     batch = tokens.shape[0]
     row_settings = RowSettings.of(sampling, batch)
@@ -228,7 +228,7 @@ def speculate(params: Params, cache: Cache, tokens: mx.array, *, width: int | No
                                        known=(np.array(result.next_tokens), np.array(cache.length)))
         policy, drafts = policy._replace(ready=ready, gate=gate), drafts + [seconds] * (seconds is not None)
     round_seconds = time.perf_counter() - start - sum(drafts)  # the round but its draft passes
-    timed = traced() == traces  # a round that compiled a kernel says nothing of its costs
+    timed = compilations() == compiled_before  # a round that compiled a kernel says nothing of its costs
     policy = policy._replace(costs=learned_costs(policy.costs, batch, sampled, plan.width,
                                                  round_seconds if timed else None,
                                                  drafts[-1] if timed and drafts else None))
@@ -351,11 +351,6 @@ def prepared_for(ready: Ready | None, settings: Settings, sources: Sequence[Poin
 def copied(tokens: np.ndarray, match: np.ndarray) -> list:
     """The copy offers as ``Offer``s (rated by the matched ending's length)."""
     return [Offer(row.tolist(), int(m)) if m else NO_OFFER for row, m in zip(tokens, match)]
-
-
-def traced() -> int:
-    """Kernel traces so far: a change during a round means it compiled one."""
-    return sum(TRACE_COUNTS.values())
 
 
 def sigmoid(logits: np.ndarray) -> np.ndarray:

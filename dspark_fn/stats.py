@@ -137,13 +137,14 @@ def combined(parts: Iterable[Tally]) -> Tally:
 class DecodeClock:
     """The steady decoding speed of a stream of ``generate`` events.
 
-    A round's work happens while its first event is produced; the prefill and every round in which a kernel was traced (the
-    one-off compilation) are left out, so the number is what a person
-    waiting on a warm model sees. ``trace_count`` reads the total traces.
+    A round's work happens while its first event is produced; the prefill
+    and every round in which a kernel was compiled (the one-off cost) are
+    left out, so the number is what a person waiting on a warm model sees.
+    ``compilations`` reads the kernels compiled so far (``kernel.compilations``).
     """
 
-    def __init__(self, trace_count: Callable[[], int]):
-        self.trace_count = trace_count
+    def __init__(self, compilations: Callable[[], int]):
+        self.compilations = compilations
         self.tokens = 0
         self.seconds = 0.0
         self._counted = False
@@ -152,7 +153,7 @@ class DecodeClock:
     def watch(self, events: Iterable) -> Iterator:
         iterator = iter(events)
         while True:
-            traces, start = self.trace_count(), time.perf_counter()
+            compiled, start = self.compilations(), time.perf_counter()
             try:
                 event = next(iterator)
             except StopIteration:
@@ -160,7 +161,7 @@ class DecodeClock:
             spent = time.perf_counter() - start
             if event.kind == "round":
                 if self._last_tag is None or event.tag <= self._last_tag:  # generate's tags ascend within a round
-                    self._counted = self.trace_count() == traces
+                    self._counted = self.compilations() == compiled
                     self.seconds += spent if self._counted else 0.0
                 self.tokens += len(event.emitted) if self._counted else 0
                 self._last_tag = event.tag
