@@ -39,12 +39,12 @@ def measure() -> dict:
     from dspark_fn.catalog import load_named
     from dspark_fn.chat import chat_tokens, stop_tokens
     from dspark_fn.checkpoints import mlx_lm_model
-    from loop_speed import split_prompts
+    from workloads import held_out_prompts
 
     params, tokenizer, config = load_named()
     model = mlx_lm_model(config, params.target)
     stop = set(stop_tokens(tokenizer))
-    split = split_prompts()
+    split = held_out_prompts()
     prompts = [chat_tokens(tokenizer, text) for family in ("gsm8k", "mt-bench") for text in split[family][:2]]
     engines = {"mlx-lm": lambda p: baseline_tokens(model, p, TOKENS, stop),
                "generate": lambda p: dspark_tokens(params, p, TOKENS, stop)}
