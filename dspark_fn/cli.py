@@ -401,7 +401,8 @@ def run_generate(args) -> int:
     produced = sum(len(t) for t in tokens)
     if any(report["finish"] == "dead_end" for report in reports):
         print("[the constraint admits no token at the end of the output shown: it ended there]", file=sys.stderr)
-    speed = "" if args.compare else f"; decoding {clock.tokens_per_s:.1f} tokens/s once compiled"
+    speed = ("" if args.compare else f"; decoding {clock.tokens_per_s:.1f} tokens/s once compiled" if clock.tokens
+             else "; every round compiled kernels, which MLX then keeps: time a second run")
     print(f"[{produced} tokens in {elapsed:.1f} s; tau {overall.tau:.2f} tokens a round, acceptance "
           f"{overall.acceptance_rate:.0%} of the proposed tokens kept{speed}]", file=sys.stderr)
     print(f"[rounds by what they verified (none: a plain target step): {overall.sources_line()}]", file=sys.stderr)

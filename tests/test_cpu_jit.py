@@ -13,6 +13,7 @@ built: the JIT=0 case failed), the policy timing rounds by raw trace counts
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -72,3 +73,39 @@ def test_by_default_the_jit_builds_kernels_and_keeps_traces(tmp_path):
     report, built = loop_in_a_process(tmp_path)
     assert built > 0 and report["kept"] is True and report["compilations"] > 0
     assert report["identical"] and report["timed"] > 0
+
+
+PREAMBLE_PROBE = """
+import mlx.core as mx
+from dspark_fn import cpu_jit, kernel
+
+assert kernel.PRECOMPILING is not None and kernel.PRECOMPILING.wait() == 0
+print(cpu_jit.precompiled_preamble().is_file(), cpu_jit.precompile_preamble() is None)
+mx.eval(mx.compile(lambda x: mx.exp(x) * 2 + 1)(mx.zeros((4,))))
+"""
+
+
+def test_kernels_build_against_the_precompiled_preamble(tmp_path):
+    """The precompiled preamble is built once at import, and MLX's own kernel
+    builds use it (``g++ -H`` marks a precompiled header it used with "!",
+    one it found unfit with "x": a flag of MLX's that ``MLX_FLAGS`` lacks)."""
+    shim, log = tmp_path / "bin", tmp_path / "headers.log"
+    shim.mkdir()
+    (shim / "g++").write_text(f'#!/bin/sh\nexec {shutil.which("g++")} "$@" -H 2>>{log}\n')
+    (shim / "g++").chmod(0o755)
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    inherited = {k: v for k, v in os.environ.items() if k not in ("DSPARK_CPU_JIT", "MLX_DISABLE_COMPILE")}
+    done = subprocess.run([sys.executable, "-c", PREAMBLE_PROBE], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env=inherited | {"PYTHONPATH": str(ROOT), "TMPDIR": str(scratch),
+                                           "PATH": f"{shim}:{os.environ['PATH']}"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["True", "True"]  # built, and not built again
+    used = [line for line in log.read_text().splitlines() if line.endswith("compiled_preamble.h.gch")]
+    assert used and all(line.startswith("! ") and str(scratch) in line for line in used), used
+
+
+def test_nothing_is_precompiled_without_the_jit():
+    from dspark_fn import cpu_jit
+
+    assert cpu_jit.precompile_preamble({"DSPARK_CPU_JIT": "0", "PATH": os.environ["PATH"]}) is None
