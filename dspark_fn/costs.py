@@ -17,8 +17,12 @@ widths follow the machine when its load changes.
 - The measurements (``timed``): a round's seconds but its draft passes (the
   verify and the host's own work, which every round pays) by its width,
   a draft pass's seconds, kept per batch size and sampling mode, the newest
-  ``WINDOW`` of each, a measurement weighing ``FORGET`` times the one after
-  it. A verify costs ``plain + token x (width - 1)``: the two fitted by
+  ``WINDOW`` of each, each with the round it was taken in: a measurement
+  ``n`` rounds old (of any kind and batch) weighs ``FORGET ** n``. So what
+  has not been measured lately, such as a draft pass the planner stopped
+  choosing while the machine was busy, fades into the prior scaled to what
+  the newest rounds measured, and is chosen (and measured) again when that
+  says it pays. A verify costs ``plain + token x (width - 1)``: the two fitted by
   least squares with the prior as ``PRIOR_WEIGHT`` rounds' worth of
   evidence for each, so a width never run is priced from the prior scaled
   to the machine; the draft pass is the weighted mean of its times with the
@@ -45,9 +49,9 @@ from .schedule import CostCurve
 from .sharding import agree
 from .types import Params
 
-FORGET = 0.9  # a measurement weighs this times the one after it
+FORGET = 0.85  # a measurement one round older weighs this much less: some ten rounds of memory
 WINDOW = 32  # measurements kept per batch size, sampling mode and kind
-PRIOR_WEIGHT = 1.0  # rounds of evidence the prior counts as, for each fitted cost
+PRIOR_WEIGHT = 0.5  # rounds of evidence the prior counts as, for each fitted cost
 LEARNED: dict = {}  # a pair's signature -> the costs its rounds last learned in this process
 CPU_OPS_PER_BYTE = 8.0  # operations that cost as much as reading a byte of weights, on a CPU
 GPU_OPS_PER_BYTE = 60.0
@@ -84,9 +88,9 @@ class Shape(NamedTuple):
         return np.array([self.target_bytes + token, token, self.draft_bytes + batch * self.draft_ops / per_byte])
 
 
-def weights(count: int) -> np.ndarray:
-    """The newest measurement first: 1, FORGET, FORGET^2, ..."""
-    return FORGET ** np.arange(count)
+def weights(ages: np.ndarray) -> np.ndarray:
+    """What each measurement weighs, by its age in rounds: ``FORGET ** age``."""
+    return FORGET ** np.asarray(ages, float)
 
 
 class RoundCosts(NamedTuple):
@@ -94,9 +98,10 @@ class RoundCosts(NamedTuple):
     far, by ``(batch, sampled)``. Updates return a new record."""
 
     shape: Shape
-    verifies: dict = {}  # (batch, sampled) -> ((width - 1, seconds), ...) newest first
-    drafts: dict = {}  # (batch, sampled) -> (seconds, ...) newest first
+    verifies: dict = {}  # (batch, sampled) -> ((width - 1, seconds, round), ...) newest first
+    drafts: dict = {}  # (batch, sampled) -> ((seconds, round), ...) newest first
     fixed: CostCurve | None = None
+    rounds: int = 0  # rounds seen, timed or not: the clock the measurements' ages are read on
 
     @classmethod
     def start(cls, params: Params, fixed: CostCurve | None = None) -> "RoundCosts":
@@ -104,7 +109,7 @@ class RoundCosts(NamedTuple):
         shape = Shape.of(params)
         if fixed is None and shape.signature in LEARNED:
             return LEARNED[shape.signature]
-        return cls(shape, {}, {}, fixed)
+        return cls(shape, {}, {}, fixed, 0)
 
     def remembered(self) -> "RoundCosts":
         """These costs, kept as the start of the pair's next policy in this process (fixed ones are not)."""
@@ -114,15 +119,16 @@ class RoundCosts(NamedTuple):
 
     def timed(self, batch: int, sampled: bool, width: int | None = None, verify: float | None = None,
               draft: float | None = None) -> "RoundCosts":
-        """With a verify of ``width`` that took ``verify`` seconds and/or a draft
-        pass that took ``draft`` seconds, in a batch of ``batch`` rows."""
-        key = (batch, sampled)
+        """One round later, with a verify of ``width`` that took ``verify``
+        seconds and/or a draft pass that took ``draft`` seconds, in a batch of
+        ``batch`` rows (neither, for a round that says nothing of its costs)."""
+        key, now = (batch, sampled), self.rounds + 1
         verifies, drafts = self.verifies, self.drafts
         if verify is not None:
-            verifies = verifies | {key: (((width - 1, verify),) + verifies.get(key, ()))[:WINDOW]}
+            verifies = verifies | {key: (((width - 1, verify, now),) + verifies.get(key, ()))[:WINDOW]}
         if draft is not None:
-            drafts = drafts | {key: ((draft,) + drafts.get(key, ()))[:WINDOW]}
-        return self._replace(verifies=verifies, drafts=drafts)
+            drafts = drafts | {key: (((draft, now),) + drafts.get(key, ()))[:WINDOW]}
+        return self._replace(verifies=verifies, drafts=drafts, rounds=now)
 
     def curve(self, batch: int, sampled: bool, widths: tuple) -> CostCurve:
         """The cost of a draft pass and of a verify of each of ``widths``, now."""
@@ -133,29 +139,29 @@ class RoundCosts(NamedTuple):
                                  f"{list(widths)}")
             return self.fixed
         prior = self.shape.prior(batch)
-        verifies = np.array(self.verifies.get((batch, sampled), ()), float).reshape(-1, 2)
-        drafts = np.array(self.drafts.get((batch, sampled), ()), float)
-        scale = self._scale(prior, verifies, drafts)
-        plain, token = fitted_line(verifies, scale * prior[:2])
-        draft_weights = weights(len(drafts))
-        draft = (draft_weights @ drafts + PRIOR_WEIGHT * scale * prior[2]) / (draft_weights.sum() + PRIOR_WEIGHT)
+        verifies = np.array(self.verifies.get((batch, sampled), ()), float).reshape(-1, 3)
+        drafts = np.array(self.drafts.get((batch, sampled), ()), float).reshape(-1, 2)
+        verify_weights, draft_weights = weights(self.rounds - verifies[:, 2]), weights(self.rounds - drafts[:, 1])
+        scale = self._scale(prior, verifies, drafts, verify_weights, draft_weights)
+        plain, token = fitted_line(verifies[:, :2], verify_weights, scale * prior[:2])
+        draft = (draft_weights @ drafts[:, 0] + PRIOR_WEIGHT * scale * prior[2]) / (draft_weights.sum() + PRIOR_WEIGHT)
         return CostCurve(float(draft), {width: float(plain + token * (width - 1)) for width in widths})
 
     @staticmethod
-    def _scale(prior: np.ndarray, verifies: np.ndarray, drafts: np.ndarray) -> float:
+    def _scale(prior: np.ndarray, verifies: np.ndarray, drafts: np.ndarray, verify_weights: np.ndarray,
+               draft_weights: np.ndarray) -> float:
         """Seconds per prior unit: the weighted mean ratio of what was measured to what the prior says."""
-        ratios = np.concatenate([verifies[:, 1] / (prior[0] + prior[1] * verifies[:, 0]), drafts / prior[2]])
-        counts = np.concatenate([weights(len(verifies)), weights(len(drafts))])
-        return float(counts @ ratios / counts.sum()) if len(ratios) else 1.0
+        ratios = np.concatenate([verifies[:, 1] / (prior[0] + prior[1] * verifies[:, 0]), drafts[:, 0] / prior[2]])
+        counts = np.concatenate([verify_weights, draft_weights])
+        return float(counts @ ratios / counts.sum()) if counts.sum() > 0 else 1.0
 
 
-def fitted_line(points: np.ndarray, prior: np.ndarray) -> tuple[float, float]:
-    """``(plain, token)`` minimising the weighted squared error of ``plain +
-    token x extra`` over ``points [N, 2]`` (extra tokens, seconds; the
-    newest first), plus ``PRIOR_WEIGHT`` times the squared distance to
-    ``prior``; neither below zero."""
+def fitted_line(points: np.ndarray, w: np.ndarray, prior: np.ndarray) -> tuple[float, float]:
+    """``(plain, token)`` minimising the squared error of ``plain + token x
+    extra`` over ``points [N, 2]`` (extra tokens, seconds), each weighing
+    ``w``, plus ``PRIOR_WEIGHT`` times the squared distance to ``prior``;
+    neither below zero."""
     extra, seconds = points[:, 0], points[:, 1]
-    w = weights(len(points))
     normal = np.array([[w.sum(), w @ extra], [w @ extra, w @ extra**2]]) + PRIOR_WEIGHT * np.eye(2)
     target = np.array([w @ seconds, w @ (extra * seconds)]) + PRIOR_WEIGHT * prior
     plain, token = np.linalg.solve(normal, target)

@@ -32,6 +32,7 @@ compiled on the CPU before, MLX has asked already and its answer stands.
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -85,7 +86,8 @@ def precompile_preamble(environ=os.environ) -> subprocess.Popen | None:
     None where there is nothing to build. It outlives this process if need
     be, and appears whole or not at all (written aside, then renamed)."""
     headers, compiler = mlx_headers(), shutil.which("g++", path=environ.get("PATH"))
-    if refused(environ) or mx.default_device() != mx.cpu or headers is None or compiler is None:
+    if refused(environ) or mx.default_device() != mx.cpu or headers is None or compiler is None \
+            or not sys.platform.startswith("linux"):  # clang, macOS's g++, finds no precompiled header by itself
         return None
     target = precompiled_preamble()
     try:

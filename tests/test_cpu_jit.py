@@ -105,7 +105,9 @@ def test_kernels_build_against_the_precompiled_preamble(tmp_path):
     assert used and all(line.startswith("! ") and str(scratch) in line for line in used), used
 
 
-def test_nothing_is_precompiled_without_the_jit():
+def test_nothing_is_precompiled_without_the_jit(tmp_path, monkeypatch):
     from dspark_fn import cpu_jit
 
+    monkeypatch.setattr(cpu_jit, "kernel_folder", lambda: tmp_path)
     assert cpu_jit.precompile_preamble({"DSPARK_CPU_JIT": "0", "PATH": os.environ["PATH"]}) is None
+    assert not list(tmp_path.iterdir())

@@ -422,6 +422,24 @@ def test_learned_costs_follow_the_machine(pair):
     assert costs.curve(2, False, BUCKETS) == untimed(pair[1]).curve(2, False, BUCKETS)  # per batch size
 
 
+def test_a_cost_no_longer_measured_follows_the_rest(pair):
+    """On a machine that runs just as the prior's shape says: drafts measured
+    through a stretch ten times slower, then forty quiet rounds that verify
+    plain steps alone. The draft pass, no longer measured, is priced near
+    its quiet cost again (priced from the newest rounds, not the busy ones,
+    so the planner can choose it and measure it anew)."""
+    costs = untimed(pair[1])
+    plain, token, draft = 0.05 * costs.shape.prior(1) / costs.shape.prior(1)[0]
+    rng = np.random.default_rng(2)
+    costs = timings(costs, 30, plain, token, draft, rng)
+    costs = timings(costs, 30, 10 * plain, 10 * token, 10 * draft, rng)
+    for _ in range(40):
+        costs = costs.timed(1, False, 1, verify=plain)
+    curve = costs.curve(1, False, BUCKETS)
+    assert curve.verify[1] == pytest.approx(plain, rel=0.1)
+    assert curve.draft == pytest.approx(draft, rel=0.5)
+
+
 def test_the_width_chosen_follows_the_learned_costs(pair):
     """The same confident drafts: verified wide while widening is cheap,
     narrower once each verified token costs three times as much."""
@@ -481,8 +499,8 @@ def test_speculate_learns_costs_from_rounds_that_did_not_compile(pair):
     for _ in range(12):
         cache, step = dspark_fn.speculate(params, cache, step.next_tokens, width=3)
     verifies = cache.policy.costs.verifies[(1, False)]
-    assert len(verifies) == 12 and {extra for extra, _ in verifies} == {2}
-    assert all(seconds > 0 for _, seconds in verifies) and len(cache.policy.costs.drafts[(1, False)]) >= 12
+    assert len(verifies) == 12 and {extra for extra, _, _ in verifies} == {2}
+    assert all(seconds > 0 for _, seconds, _ in verifies) and len(cache.policy.costs.drafts[(1, False)]) >= 12
     assert Policy.start(params, 1).costs == cache.policy.costs
 
 
