@@ -12,8 +12,9 @@ prompt by prompt, and reports tokens/s of each and whether the tokens were
 mlx-lm's (greedy). A shared machine drifts by 10-20% within minutes: read
 the ratios to mlx-lm measured beside each, and medians over repeats.
 
-Environment: N (default 3), TOKENS (default 128), REPEATS (default 2),
-TEMPERATURE (default 0: greedy; sampled runs compare speeds only).
+Environment: FAMILIES (default all five), N (default 3), TOKENS (default 128),
+REPEATS (default 2), TEMPERATURE (default 0: greedy; sampled runs compare
+speeds only).
 """
 
 import json
@@ -26,7 +27,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-FAMILIES = ("gsm8k", "humaneval", "mbpp", "math500", "mt-bench")
+FAMILIES = os.environ.get("FAMILIES", "gsm8k,humaneval,mbpp,math500,mt-bench").split(",")
 N = int(os.environ.get("N", 3))
 TOKENS = int(os.environ.get("TOKENS", 128))
 REPEATS = int(os.environ.get("REPEATS", 2))
@@ -105,7 +106,8 @@ def main(revision: str) -> None:
     for family in FAMILIES:
         ratios = {name: [run[family][1] / run[family][0] for run in runs[name]] for name in trees}
         same = all(run[family][2] for name in trees for run in runs[name])
-        cells = {name: f"{statistics.median(r):.2f}x ({', '.join(f'{x:.2f}' for x in r)})" for name, r in ratios.items()}
+        cells = {name: f"{statistics.median(r):.2f}x ({', '.join(f'{x:.2f}' for x in r)})"
+                 for name, r in ratios.items()}
         change = statistics.median(ratios["here"]) / statistics.median(ratios[revision])
         print(f"| {family} | {cells[revision]} | {cells['here']} | {change:.2f} | "
               f"{'n/a (sampled)' if TEMPERATURE else ('yes' if same else 'NO')} |")

@@ -3,9 +3,9 @@
 On the CPU, ``mx.compile`` fuses each chain of elementwise operations in a
 traced graph into a C++ kernel, which MLX builds with ``g++`` the first time
 it meets it and keeps in ``$TMPDIR/mlx/<version>/cpu``. A first answer of
-the embedded default meets about ninety of them: some 30 s of building
-where that folder is empty (a fresh ``TMPDIR``, or after a reboot), nothing
-once they are built. Without the JIT, MLX runs a compiled function as
+the embedded default meets some forty of them: about 30 s of building where
+that folder is empty (a fresh ``TMPDIR``, or after a reboot), 8 s with the
+preamble precompiled (below), nothing once they are built. Without the JIT, MLX runs a compiled function as
 written on every call: no build, and rounds about 15% slower on the
 speculative path (the host runs every small operation of the round's
 masks, positions and sampling one by one; BENCHMARK.md, section 0t). So
@@ -40,7 +40,8 @@ import mlx.core as mx
 
 ENVIRONMENT = "DSPARK_CPU_JIT"
 PREAMBLE = "mlx/backend/cpu/compiled_preamble.h"  # what every kernel MLX builds on the CPU includes first
-MLX_FLAGS = ("-std=c++17", "-O3", "-Wall", "-fPIC", "-shared")  # MLX's own build command's, which a precompiled header must match
+# the flags of MLX's own build command, which a precompiled header must match for g++ to use it
+MLX_FLAGS = ("-std=c++17", "-O3", "-Wall", "-fPIC", "-shared")
 
 
 def refused(environ=os.environ) -> bool:
