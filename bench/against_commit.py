@@ -41,6 +41,7 @@ def measure() -> dict:
     from dspark_fn.chat import chat_tokens, stop_tokens
     from dspark_fn.checkpoints import mlx_lm_model
     from dspark_fn.sampling import Sampling
+    from workloads import held_out_prompts
 
     params, tokenizer, config = load_named()
     model, stop = mlx_lm_model(config, params.target), set(stop_tokens(tokenizer))
@@ -50,7 +51,7 @@ def measure() -> dict:
     warm = chat_tokens(tokenizer, "Warm up: say hello.")
     for run in engines.values():  # compile outside the timings
         run(warm, 16)
-    prompts = held_out()
+    prompts = held_out_prompts()
     report = {}
     for family in FAMILIES:
         counts, answers = {name: [0, 0.0] for name in engines}, {name: [] for name in engines}
@@ -65,15 +66,6 @@ def measure() -> dict:
         report[family] = [counts["mlx-lm"][0] / counts["mlx-lm"][1], counts["generate"][0] / counts["generate"][1],
                           answers["mlx-lm"] == answers["generate"]]
     return report
-
-
-def held_out() -> dict:
-    families: dict = {}
-    for line in (ROOT / "corpus" / "held-out.jsonl").read_text().splitlines():
-        if line.strip():
-            row = json.loads(line)
-            families.setdefault(row["family"], []).append(row["turns"][0])
-    return families
 
 
 def measured_in(tree: Path) -> dict:

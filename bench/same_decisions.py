@@ -16,7 +16,6 @@ pass's seconds and each verify width's).
 import json
 import os
 import time
-from pathlib import Path
 
 import dspark_fn  # noqa: F401  before mlx: OpenBLAS then serves MLX's matmuls
 from dspark_fn.benchmark import dspark_tokens
@@ -24,8 +23,8 @@ from dspark_fn.catalog import load_named
 from dspark_fn.chat import chat_tokens, stop_tokens
 from dspark_fn.schedule import CostCurve
 from dspark_fn.stats import Tally
+from workloads import held_out_prompts
 
-HELD_OUT = Path(__file__).resolve().parents[1] / "corpus" / "held-out.jsonl"
 FAMILY = os.environ.get("FAMILY", "gsm8k")
 N = int(os.environ.get("N", 3))
 TOKENS = 128
@@ -41,8 +40,7 @@ def given_costs() -> dict:
 def main() -> None:
     params, tokenizer, _ = load_named()
     stop, options = set(stop_tokens(tokenizer)), given_costs()
-    rows = [json.loads(line) for line in HELD_OUT.read_text().splitlines() if line.strip()]
-    prompts = [chat_tokens(tokenizer, row["turns"][0]) for row in rows if row["family"] == FAMILY][:N]
+    prompts = [chat_tokens(tokenizer, text) for text in held_out_prompts()[FAMILY][:N]]
     dspark_tokens(params, chat_tokens(tokenizer, "Warm up: say hello."), 16, stop, **options)
     for _ in range(2):
         tally, produced, start = Tally(), 0, time.perf_counter()

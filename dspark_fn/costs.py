@@ -109,7 +109,7 @@ class RoundCosts(NamedTuple):
         shape = Shape.of(params)
         if fixed is None and shape.signature in LEARNED:
             return LEARNED[shape.signature]
-        return cls(shape, {}, {}, fixed, 0)
+        return cls(shape, {}, {}, fixed)
 
     def remembered(self) -> "RoundCosts":
         """These costs, kept as the start of the pair's next policy in this process (fixed ones are not)."""
@@ -142,18 +142,17 @@ class RoundCosts(NamedTuple):
         verifies = np.array(self.verifies.get((batch, sampled), ()), float).reshape(-1, 3)
         drafts = np.array(self.drafts.get((batch, sampled), ()), float).reshape(-1, 2)
         verify_weights, draft_weights = weights(self.rounds - verifies[:, 2]), weights(self.rounds - drafts[:, 1])
-        scale = self._scale(prior, verifies, drafts, verify_weights, draft_weights)
+        ratios = np.concatenate([verifies[:, 1] / (prior[0] + prior[1] * verifies[:, 0]), drafts[:, 0] / prior[2]])
+        scale = machine_scale(ratios, np.concatenate([verify_weights, draft_weights]))
         plain, token = fitted_line(verifies[:, :2], verify_weights, scale * prior[:2])
         draft = (draft_weights @ drafts[:, 0] + PRIOR_WEIGHT * scale * prior[2]) / (draft_weights.sum() + PRIOR_WEIGHT)
         return CostCurve(float(draft), {width: float(plain + token * (width - 1)) for width in widths})
 
-    @staticmethod
-    def _scale(prior: np.ndarray, verifies: np.ndarray, drafts: np.ndarray, verify_weights: np.ndarray,
-               draft_weights: np.ndarray) -> float:
-        """Seconds per prior unit: the weighted mean ratio of what was measured to what the prior says."""
-        ratios = np.concatenate([verifies[:, 1] / (prior[0] + prior[1] * verifies[:, 0]), drafts[:, 0] / prior[2]])
-        counts = np.concatenate([verify_weights, draft_weights])
-        return float(counts @ ratios / counts.sum()) if counts.sum() > 0 else 1.0
+
+def machine_scale(ratios: np.ndarray, w: np.ndarray) -> float:
+    """Seconds per prior unit: the mean of what was measured over what the
+    prior says (``ratios``), each weighing ``w``; 1 before any measurement."""
+    return float(w @ ratios / w.sum()) if w.sum() > 0 else 1.0
 
 
 def fitted_line(points: np.ndarray, w: np.ndarray, prior: np.ndarray) -> tuple[float, float]:
