@@ -2,7 +2,8 @@
 the first N held-out prompts of one family, 128 tokens each, greedy, with
 the round costs given (``COSTS``, so the planner decides the same in every
 run and every tree) or learned (``COSTS`` unset); two passes, each printing
-tokens/s, rounds, tau, milliseconds a round and the rounds by source.
+tokens/s, rounds, tau, milliseconds a round and the rounds by source, and
+(costs learned) the costs learned by the end of the pass.
 
     python bench/same_decisions.py
     COSTS='{"draft": 0.0112, "verify": {"1": 0.0675, "2": 0.08, "3": 0.0944, "4": 0.1107, "6": 0.1179}}' \\
@@ -20,8 +21,9 @@ import time
 import dspark_fn  # noqa: F401  before mlx: OpenBLAS then serves MLX's matmuls
 from dspark_fn.benchmark import dspark_tokens
 from dspark_fn.catalog import load_named
+from dspark_fn.costs import RoundCosts
 from dspark_fn.chat import chat_tokens, stop_tokens
-from dspark_fn.schedule import CostCurve
+from dspark_fn.schedule import CostCurve, width_buckets
 from dspark_fn.stats import Tally
 from workloads import held_out_prompts
 
@@ -49,6 +51,15 @@ def main() -> None:
         seconds = time.perf_counter() - start
         print(f"{produced / seconds:.1f} tokens/s, {tally.rounds} rounds, tau {tally.emitted / tally.rounds:.2f}, "
               f"{1e3 * seconds / tally.rounds:.0f} ms a round | {tally.sources_line()}", flush=True)
+        if not options:
+            print(f"  learned, ms: {learned_line(params)}", flush=True)
+
+
+def learned_line(params) -> str:
+    """The costs the pair's rounds have learned in this process, for one greedy row."""
+    curve = RoundCosts.start(params).curve(1, False, width_buckets(params.spec.block_size))
+    widths = " ".join(f"{width}: {1e3 * seconds:.0f}" for width, seconds in curve.verify.items())
+    return f"draft {1e3 * curve.draft:.1f} / verify by width {widths}"
 
 
 if __name__ == "__main__":

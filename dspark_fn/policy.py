@@ -50,7 +50,7 @@ import mlx.core as mx
 import numpy as np
 
 from .buffers import check_free_slots
-from .cache import Cache
+from .cache import Cache, device_state
 from .copying import LONGEST_MATCH, copy_offers, endings
 from .costs import RoundCosts
 from .kernel import compilations
@@ -277,7 +277,9 @@ def point_tokens(proposals: list, slots: int) -> np.ndarray:
 def verified(params: Params, cache: Cache, tokens: mx.array, plan: Plan, ready: "Ready", live: np.ndarray, sampling,
              masks: Callable | None, settings: Settings, sources: Sequence[PointSource], top_log_probs: int | None):
     """Launch the planned verify and the next round's copy offers, evaluate
-    both: ``(cache, round, copy offers and endings for the next round)``."""
+    both and the whole cache (work left pending, such as the draft's
+    context, would run inside the next draft pass and be timed as drafting):
+    ``(cache, round, copy offers and endings for the next round)``."""
     width, batch = plan.width, tokens.shape[0]
     if width == 1:
         proposal = no_proposal(batch)
@@ -297,7 +299,7 @@ def verified(params: Params, cache: Cache, tokens: mx.array, plan: Plan, ready: 
                            active=mx.array(live), copies=points, top_log_probs=top_log_probs, check_room=False,
                            masks=verified_masks)
     following = next_offers(cache, result.next_tokens, settings, sources)
-    mx.eval(result, cache.length, following)
+    mx.eval(result, device_state(cache), following)
     return cache, result, following
 
 

@@ -10,16 +10,21 @@ Breaks tried, and the tests that catch them:
 - a round's time recorded when a kernel compiled in it (the trace check
   dropped): test_speculate_learns_costs_from_rounds_that_did_not_compile;
 - a prepared draft used for a row whose anchor changed (``Ready.covers``
-  true everywhere): test_a_row_given_another_anchor_verifies_nothing_prepared.
+  true everywhere): test_a_row_given_another_anchor_verifies_nothing_prepared;
+- a round evaluating only its result, not the cache it returns:
+  test_a_round_leaves_its_cache_evaluated.
 """
 
 import importlib
+import io
 
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 
 import dspark_fn
+from dspark_fn.cache import device_state
 from dspark_fn.costs import RoundCosts, Shape
 from dspark_fn.kernel import TRACE_COUNTS
 from dspark_fn.policy import Policy
@@ -502,6 +507,26 @@ def test_speculate_learns_costs_from_rounds_that_did_not_compile(pair):
     assert len(verifies) == 12 and {extra for extra, _, _ in verifies} == {2}
     assert all(seconds > 0 for _, seconds, _ in verifies) and len(cache.policy.costs.drafts[(1, False)]) >= 12
     assert Policy.start(params, 1).costs == cache.policy.costs
+
+
+def pending_operations(arrays) -> int:
+    """How many operations the arrays of a pytree still wait on (0: all evaluated)."""
+    graph = io.StringIO()
+    mx.export_to_dot(graph, *[value for _, value in tree_flatten(arrays) if isinstance(value, mx.array)])
+    return graph.getvalue().count("shape=rectangle")
+
+
+def test_a_round_leaves_its_cache_evaluated(pair):
+    """A round returns its cache computed, the draft's context and the
+    history included: work left pending would run inside the next draft
+    pass and be priced as drafting (a draft that looks dearer than it is
+    is chosen too rarely)."""
+    _, params = pair
+    cache, tokens = dspark_fn.prefill(params, dspark_fn.init_cache(params, 1, 256), [4, 2, 4])
+    for width in (BLOCK + 1, 1, BLOCK + 1):
+        cache, step = dspark_fn.speculate(params, cache, tokens, width=width)
+        assert pending_operations(device_state(cache)) == 0
+        tokens = step.next_tokens
 
 
 def test_a_row_given_another_anchor_verifies_nothing_prepared(pair):
