@@ -16,7 +16,6 @@ Environment: FAMILIES (default all five), N (default 4), TOKENS (default
 seconds and each verify width's).
 """
 
-import json
 import os
 import statistics
 import time
@@ -25,9 +24,8 @@ import dspark_fn  # noqa: F401  before mlx: OpenBLAS then serves MLX's matmuls
 from dspark_fn.benchmark import dspark_tokens
 from dspark_fn.catalog import load_named
 from dspark_fn.chat import chat_tokens, stop_tokens
-from dspark_fn.schedule import CostCurve
 from dspark_fn.stats import Tally
-from workloads import held_out_prompts
+from workloads import cost_curve, held_out_prompts
 
 FAMILIES = os.environ.get("FAMILIES", "gsm8k,humaneval,mbpp,math500,mt-bench").split(",")
 N = int(os.environ.get("N", 4))
@@ -36,15 +34,10 @@ REPEATS = int(os.environ.get("REPEATS", 2))
 CALIBRATED = '{"draft": 0.0112, "verify": {"1": 0.0675, "2": 0.08, "3": 0.0944, "4": 0.1107, "6": 0.1179}}'
 
 
-def fixed_costs() -> CostCurve:
-    costs = json.loads(os.environ.get("COSTS", CALIBRATED))
-    return CostCurve(costs["draft"], {int(width): seconds for width, seconds in costs["verify"].items()})
-
-
 def main() -> None:
     params, tokenizer, _ = load_named()
     stop = set(stop_tokens(tokenizer))
-    engines = {"learned": {}, "fixed": {"costs": fixed_costs()}}
+    engines = {"learned": {}, "fixed": {"costs": cost_curve(os.environ.get("COSTS", CALIBRATED))}}
     warm = chat_tokens(tokenizer, "Warm up: say hello.")
     for options in engines.values():
         dspark_tokens(params, warm, 16, stop, **options)

@@ -14,18 +14,17 @@ Environment: FAMILY (default gsm8k), N (default 3), COSTS (JSON: a draft
 pass's seconds and each verify width's).
 """
 
-import json
 import os
 import time
 
 import dspark_fn  # noqa: F401  before mlx: OpenBLAS then serves MLX's matmuls
 from dspark_fn.benchmark import dspark_tokens
 from dspark_fn.catalog import load_named
-from dspark_fn.costs import RoundCosts
 from dspark_fn.chat import chat_tokens, stop_tokens
-from dspark_fn.schedule import CostCurve, width_buckets
+from dspark_fn.costs import RoundCosts
+from dspark_fn.schedule import width_buckets
 from dspark_fn.stats import Tally
-from workloads import held_out_prompts
+from workloads import cost_curve, held_out_prompts
 
 FAMILY = os.environ.get("FAMILY", "gsm8k")
 N = int(os.environ.get("N", 3))
@@ -33,10 +32,7 @@ TOKENS = 128
 
 
 def given_costs() -> dict:
-    if not os.environ.get("COSTS"):
-        return {}
-    costs = json.loads(os.environ["COSTS"])
-    return {"costs": CostCurve(costs["draft"], {int(width): s for width, s in costs["verify"].items()})}
+    return {"costs": cost_curve(os.environ["COSTS"])} if os.environ.get("COSTS") else {}
 
 
 def main() -> None:

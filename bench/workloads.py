@@ -14,7 +14,7 @@ from typing import Callable
 
 import dspark_fn  # before mlx: OpenBLAS then serves MLX's matmuls (dspark_fn/blas.py)
 import mlx.core as mx
-
+from dspark_fn.schedule import CostCurve
 
 ROOT = Path(__file__).resolve().parents[1]
 PARITY = Path(os.environ.get("DSPARK_PARITY_DIR", ROOT / "tests" / "fixtures" / "parity"))
@@ -29,6 +29,12 @@ def held_out_prompts() -> dict:
             row = json.loads(line)
             families[row["family"]].append(row["turns"][0])
     return families
+
+
+def cost_curve(text: str) -> CostCurve:
+    """A ``CostCurve`` from JSON: ``{"draft": seconds, "verify": {"width": seconds, ...}}``."""
+    costs = json.loads(text)
+    return CostCurve(costs["draft"], {int(width): seconds for width, seconds in costs["verify"].items()})
 
 
 def fixture_pair(case: str = "qwen3_tiny"):

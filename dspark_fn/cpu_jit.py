@@ -5,10 +5,11 @@ traced graph into a C++ kernel, which MLX builds with ``g++`` the first time
 it meets it and keeps in ``$TMPDIR/mlx/<version>/cpu``. A first answer of
 the embedded default meets some forty of them: about 30 s of building where
 that folder is empty (a fresh ``TMPDIR``, or after a reboot), 8 s with the
-preamble precompiled (below), nothing once they are built. Without the JIT, MLX runs a compiled function as
-written on every call: no build, and rounds about 15% slower on the
-speculative path (the host runs every small operation of the round's
-masks, positions and sampling one by one; BENCHMARK.md, section 0t). So
+preamble precompiled (below), nothing once they are built. Without the JIT,
+MLX runs a compiled function as written on every call: no build, and
+rounds about 15% slower on the speculative path (the host runs every small
+operation of the round's masks, positions and sampling one by one;
+BENCHMARK.md, section 0t). So
 the JIT stays on by default, and ``DSPARK_CPU_JIT=0`` turns it off for a
 process that answers once on empty caches.
 

@@ -519,8 +519,7 @@ def pending_operations(arrays) -> int:
 def test_a_round_leaves_its_cache_evaluated(pair):
     """A round returns its cache computed, the draft's context and the
     history included: work left pending would run inside the next draft
-    pass and be priced as drafting (a draft that looks dearer than it is
-    is chosen too rarely)."""
+    pass and be priced as drafting."""
     _, params = pair
     cache, tokens = dspark_fn.prefill(params, dspark_fn.init_cache(params, 1, 256), [4, 2, 4])
     for width in (BLOCK + 1, 1, BLOCK + 1):
