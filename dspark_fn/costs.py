@@ -22,10 +22,15 @@ widths follow the machine when its load changes.
   has not been measured lately, such as a draft pass the planner stopped
   choosing while the machine was busy, fades into the prior scaled to what
   the newest rounds measured, and is chosen (and measured) again when that
-  says it pays. A verify costs ``plain + token x (width - 1)``: the two fitted by
-  least squares with the prior as ``PRIOR_WEIGHT`` rounds' worth of
-  evidence for each, so a width never run is priced from the prior scaled
-  to the machine; the draft pass is the weighted mean of its times with the
+  says it pays. A verify's cost is first a line, ``plain + token x (width -
+  1)``: the two fitted by least squares over every width's times with the
+  prior as ``PRIOR_WEIGHT`` rounds' worth of evidence for each, so a width
+  never run is priced from the prior scaled to the machine. A machine's
+  costs need not be a line (a wide verify can cost little more than a
+  narrower one), so each width is then priced from its own times, with its
+  point on the line as its prior, ``PRIOR_WEIGHT`` rounds' worth: a width
+  run often is priced from what it costs, one run seldom from what the
+  others say. The draft pass is the weighted mean of its times with the
   prior likewise. Rounds in which a kernel compiled are not measured.
 - Over several ranks every rank plans with rank 0's shape and times
   (``sharding.agree``): the ranks must take the same decisions, or they
@@ -145,14 +150,22 @@ class RoundCosts(NamedTuple):
         ratios = np.concatenate([verifies[:, 1] / (prior[0] + prior[1] * verifies[:, 0]), drafts[:, 0] / prior[2]])
         scale = machine_scale(ratios, np.concatenate([verify_weights, draft_weights]))
         plain, token = fitted_line(verifies[:, :2], verify_weights, scale * prior[:2])
-        draft = (draft_weights @ drafts[:, 0] + PRIOR_WEIGHT * scale * prior[2]) / (draft_weights.sum() + PRIOR_WEIGHT)
-        return CostCurve(float(draft), {width: float(plain + token * (width - 1)) for width in widths})
+        draft = shrunk_mean(drafts[:, 0], draft_weights, scale * prior[2], PRIOR_WEIGHT)
+        own = {width: verifies[:, 0] == width - 1 for width in widths}
+        return CostCurve(draft, {width: shrunk_mean(verifies[own[width], 1], verify_weights[own[width]],
+                                                    plain + token * (width - 1), PRIOR_WEIGHT) for width in widths})
 
 
 def machine_scale(ratios: np.ndarray, w: np.ndarray) -> float:
     """Seconds per prior unit: the mean of what was measured over what the
     prior says (``ratios``), each weighing ``w``; 1 before any measurement."""
     return float(w @ ratios / w.sum()) if w.sum() > 0 else 1.0
+
+
+def shrunk_mean(seconds: np.ndarray, w: np.ndarray, prior: float, prior_weight: float) -> float:
+    """The mean of ``seconds``, each weighing ``w``, with ``prior`` counted as
+    ``prior_weight`` more of them: the prior alone when nothing was measured."""
+    return float((w @ seconds + prior_weight * prior) / (w.sum() + prior_weight))
 
 
 def fitted_line(points: np.ndarray, w: np.ndarray, prior: np.ndarray) -> tuple[float, float]:

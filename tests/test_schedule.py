@@ -427,6 +427,27 @@ def test_learned_costs_follow_the_machine(pair):
     assert costs.curve(2, False, BUCKETS) == untimed(pair[1]).curve(2, False, BUCKETS)  # per batch size
 
 
+def test_each_width_is_priced_from_its_own_times(pair):
+    """On a machine where widening past four tokens costs little (a verify's
+    costs bend, they are no line), each width run is priced from its own
+    times within their noise, not from the line through all of them; a
+    width never run is priced on the line the others draw."""
+    bent = {1: 0.05, 2: 0.056, 3: 0.062, 4: 0.068, 6: 0.07}
+    rng = np.random.default_rng(3)
+    costs = untimed(pair[1])
+    for _ in range(40):
+        width = int(rng.choice(BUCKETS))
+        costs = costs.timed(1, False, width, verify=bent[width] * rng.uniform(0.99, 1.01))
+    curve = costs.curve(1, False, BUCKETS)
+    # 1% noise, and the line (up to 6% off these) counting as half a round beside a round or more of each width
+    assert [curve.verify[w] for w in BUCKETS] == pytest.approx([bent[w] for w in BUCKETS], rel=0.03)
+    costs = untimed(pair[1])
+    for _ in range(40):
+        width = int(rng.integers(1, 5))
+        costs = costs.timed(1, False, width, verify=(0.05 + 0.006 * (width - 1)) * rng.uniform(0.98, 1.02))
+    assert costs.curve(1, False, (1, 6)).verify[6] == pytest.approx(0.08, rel=0.05)
+
+
 def test_a_cost_no_longer_measured_follows_the_rest(pair):
     """On a machine that runs just as the prior's shape says: drafts measured
     through a stretch ten times slower, then forty quiet rounds that verify
