@@ -23,7 +23,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,30 +40,21 @@ def measure() -> dict:
     from dspark_fn.chat import chat_tokens, stop_tokens
     from dspark_fn.checkpoints import mlx_lm_model
     from dspark_fn.sampling import Sampling
-    from workloads import held_out_prompts
+    from workloads import held_out_prompts, in_turn
 
     params, tokenizer, config = load_named()
     model, stop = mlx_lm_model(config, params.target), set(stop_tokens(tokenizer))
     options = {"sampling": Sampling(temperature=TEMPERATURE)} if TEMPERATURE else {}
-    engines = {"mlx-lm": lambda prompt, n: baseline_tokens(model, prompt, n, stop, temperature=TEMPERATURE),
-               "generate": lambda prompt, n: dspark_tokens(params, prompt, n, stop, **options)}
+    engines = {"mlx-lm": lambda prompt: baseline_tokens(model, prompt, TOKENS, stop, temperature=TEMPERATURE),
+               "generate": lambda prompt: dspark_tokens(params, prompt, TOKENS, stop, **options)}
     warm = chat_tokens(tokenizer, "Warm up: say hello.")
     for run in engines.values():  # compile outside the timings
-        run(warm, 16)
+        run(warm)
     prompts = held_out_prompts()
     report = {}
     for family in FAMILIES:
-        counts, answers = {name: [0, 0.0] for name in engines}, {name: [] for name in engines}
-        for index, text in enumerate(prompts[family][:N]):
-            prompt = chat_tokens(tokenizer, text)
-            for name in (list(engines) if index % 2 == 0 else list(engines)[::-1]):
-                start = time.perf_counter()
-                tokens = engines[name](prompt, TOKENS)
-                counts[name][1] += time.perf_counter() - start
-                counts[name][0] += len(tokens)
-                answers[name].append(tokens)
-        report[family] = [counts["mlx-lm"][0] / counts["mlx-lm"][1], counts["generate"][0] / counts["generate"][1],
-                          answers["mlx-lm"] == answers["generate"]]
+        speeds, answers = in_turn(engines, [chat_tokens(tokenizer, text) for text in prompts[family][:N]])
+        report[family] = [speeds["mlx-lm"], speeds["generate"], answers["mlx-lm"] == answers["generate"]]
     return report
 
 

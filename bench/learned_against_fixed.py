@@ -18,14 +18,13 @@ seconds and each verify width's).
 
 import os
 import statistics
-import time
 
 import dspark_fn  # noqa: F401  before mlx: OpenBLAS then serves MLX's matmuls
 from dspark_fn.benchmark import dspark_tokens
 from dspark_fn.catalog import load_named
 from dspark_fn.chat import chat_tokens, stop_tokens
 from dspark_fn.stats import Tally
-from workloads import cost_curve, held_out_prompts
+from workloads import cost_curve, held_out_prompts, in_turn
 
 FAMILIES = os.environ.get("FAMILIES", "gsm8k,humaneval,mbpp,math500,mt-bench").split(",")
 N = int(os.environ.get("N", 4))
@@ -47,25 +46,21 @@ def main() -> None:
           f"learned / fixed (median) | rounds learned / fixed | identical |\n|---|---|---|---|---|---|")
     for family in FAMILIES:
         texts = [chat_tokens(tokenizer, text) for text in prompts[family][:N]]
-        speeds = {name: [] for name in engines}
-        rounds, answers = {name: 0 for name in engines}, {name: [] for name in engines}
+        tallies = {name: Tally() for name in engines}
+        runs = {name: (lambda prompt, name=name: dspark_tokens(params, prompt, TOKENS, stop,
+                                                               acceptance=tallies[name], **engines[name]))
+                for name in engines}
+        speeds, answers = {name: [] for name in engines}, {name: [] for name in engines}
         for repeat in range(REPEATS):
-            counts = {name: [0, 0.0] for name in engines}
-            for index, prompt in enumerate(texts):
-                for name in (list(engines) if (index + repeat) % 2 == 0 else list(engines)[::-1]):
-                    tally, start = Tally(), time.perf_counter()
-                    tokens = dspark_tokens(params, prompt, TOKENS, stop, acceptance=tally, **engines[name])
-                    counts[name][1] += time.perf_counter() - start
-                    counts[name][0] += len(tokens)
-                    rounds[name] += tally.rounds
-                    answers[name].append(tokens)
-            for name, (produced, seconds) in counts.items():
-                speeds[name].append(produced / seconds)
+            speed, answer = in_turn(runs, texts, first=repeat)
+            for name in engines:
+                speeds[name].append(speed[name])
+                answers[name] += answer[name]
         ratios = [learned / fixed for learned, fixed in zip(speeds["learned"], speeds["fixed"])]
         cells = [f"{statistics.median(speeds[name]):.1f} ({', '.join(f'{s:.1f}' for s in speeds[name])})"
                  for name in engines]
         print(f"| {family} | {cells[0]} | {cells[1]} | {statistics.median(ratios):.2f} | "
-              f"{rounds['learned'] / REPEATS:.0f} / {rounds['fixed'] / REPEATS:.0f} | "
+              f"{tallies['learned'].rounds / REPEATS:.0f} / {tallies['fixed'].rounds / REPEATS:.0f} | "
               f"{'yes' if answers['learned'] == answers['fixed'] else 'NO'} |", flush=True)
 
 

@@ -37,6 +37,24 @@ def cost_curve(text: str) -> CostCurve:
     return CostCurve(costs["draft"], {int(width): seconds for width, seconds in costs["verify"].items()})
 
 
+def in_turn(runs: dict, prompts: list, first: int = 0) -> tuple[dict, dict]:
+    """Every run of ``runs`` (name -> ``run(prompt) -> tokens``) over
+    ``prompts``, the runs taking turns prompt by prompt: prompt ``i`` starts
+    from run ``(first + i) % len(runs)``, so each run meets the machine's
+    drift from every place in the order. ``({name: tokens/s}, {name: [tokens of each prompt]})``."""
+    names = list(runs)
+    counts, answers = {name: [0, 0.0] for name in names}, {name: [] for name in names}
+    for index, prompt in enumerate(prompts):
+        lead = (first + index) % len(names)
+        for name in names[lead:] + names[:lead]:
+            start = time.perf_counter()
+            tokens = runs[name](prompt)
+            counts[name][1] += time.perf_counter() - start
+            counts[name][0] += len(tokens)
+            answers[name].append(tokens)
+    return {name: produced / seconds for name, (produced, seconds) in counts.items()}, answers
+
+
 def fixture_pair(case: str = "qwen3_tiny"):
     """``(params, mlx-lm model, prompt)`` of a parity fixture."""
     from mlx_lm.utils import load_model

@@ -9,9 +9,9 @@ preamble precompiled (below), nothing once they are built. Without the JIT,
 MLX runs a compiled function as written on every call: no build, and
 rounds about 15% slower on the speculative path (the host runs every small
 operation of the round's masks, positions and sampling one by one;
-BENCHMARK.md, section 0t). So
-the JIT stays on by default, and ``DSPARK_CPU_JIT=0`` turns it off for a
-process that answers once on empty caches.
+BENCHMARK.md, section 0t). So the JIT stays on by default, and
+``DSPARK_CPU_JIT=0`` turns it off for a process that answers once on empty
+caches.
 
 Most of a kernel's build is ``g++`` reading MLX's preamble (some 70,000
 lines of headers every kernel includes): 0.7 s a kernel, 0.2 s where the
