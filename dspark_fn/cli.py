@@ -51,6 +51,10 @@ def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where proposals come from: the DSpark draft, copies of earlier stretches of the "
                         "context (no draft pass), or 'auto' (default: with --width auto, per sequence and round, "
                         "whichever the measured acceptance and costs favour; a fixed --width N drafts every round)")
+    parser.add_argument("--costs", choices=("learned", "prior"), default="learned",
+                        help="what the planner prices rounds with: 'learned' (default) from the rounds' own times, "
+                        "or 'prior' from the pair's shape alone, so every run takes the same decisions: a sampled "
+                        "run repeats for its --seed on any machine (a served request does when it runs alone)")
     parser.add_argument("--store", metavar="PATH", help="a store of the target's past answers (from 'dspark store "
                         "build' or an earlier --store run) proposing beside copies and the draft, or 'none'. Default: "
                         "the shipped store for the embedded default model, none for others. generate adds each "
@@ -198,6 +202,7 @@ def verify_options(args, store=None) -> dict:
     from .sources import default_sources
 
     return dict(width=args.width, confidence_threshold=args.confidence_threshold, proposals=args.proposals,
+                costs=None if args.costs == "learned" else args.costs,
                 sources=default_sources() + ((store,) if store is not None else ()))
 
 

@@ -38,9 +38,11 @@ widths follow the machine when its load changes.
 
 A new policy starts from what the last policy of the same pair learned in
 this process (``remembered``), so a loop that makes a cache per prompt
-plans its first rounds with measured costs too. ``fixed`` (a
-``CostCurve``) replaces all of this with given costs: tests and studies
-that need the same decisions every run.
+plans its first rounds with measured costs too. Two ways to plan without
+the clock, for runs that must take the same decisions every time (seeded
+samples repeat only where the decisions do): ``fixed`` as a ``CostCurve``
+gives the costs outright; ``fixed="prior"`` plans at the pair's prior and
+keeps no measurement, so the decisions are the same on every run and machine.
 """
 
 import hashlib
@@ -57,6 +59,7 @@ from .types import Params
 FORGET = 0.85  # a measurement one round older weighs this much less: some ten rounds of memory
 WINDOW = 32  # measurements kept per batch size, sampling mode and kind
 PRIOR_WEIGHT = 0.5  # rounds of evidence the prior counts as, for each fitted cost
+PRIOR = "prior"  # the fixed costs that are the pair's shape prior: ``RoundCosts.start(params, PRIOR)``
 LEARNED: dict = {}  # a pair's signature -> the costs its rounds last learned in this process
 CPU_OPS_PER_BYTE = 8.0  # operations that cost as much as reading a byte of weights, on a CPU
 GPU_OPS_PER_BYTE = 60.0
@@ -105,12 +108,16 @@ class RoundCosts(NamedTuple):
     shape: Shape
     verifies: dict = {}  # (batch, sampled) -> ((width - 1, seconds, round), ...) newest first
     drafts: dict = {}  # (batch, sampled) -> ((seconds, round), ...) newest first
-    fixed: CostCurve | None = None
+    fixed: CostCurve | str | None = None  # a CostCurve, PRIOR (nothing measured, ever) or None (learned)
     rounds: int = 0  # rounds seen, timed or not: the clock the measurements' ages are read on
 
     @classmethod
-    def start(cls, params: Params, fixed: CostCurve | None = None) -> "RoundCosts":
-        """Fixed costs, or the last learned in this process for the pair (else nothing measured yet)."""
+    def start(cls, params: Params, fixed: CostCurve | str | None = None) -> "RoundCosts":
+        """Fixed costs (a ``CostCurve`` or ``PRIOR``), or the last learned in
+        this process for the pair (else nothing measured yet)."""
+        if not (fixed is None or fixed == PRIOR or isinstance(fixed, CostCurve)):
+            raise ValueError(f"costs must be a CostCurve, {PRIOR!r} (plan at the pair's shape prior, the same "
+                             f"decisions every run) or None (learned as rounds run), got {fixed!r}")
         shape = Shape.of(params)
         if fixed is None and shape.signature in LEARNED:
             return LEARNED[shape.signature]
@@ -129,6 +136,8 @@ class RoundCosts(NamedTuple):
         ``batch`` rows (neither, for a round that says nothing of its costs)."""
         key, now = (batch, sampled), self.rounds + 1
         verifies, drafts = self.verifies, self.drafts
+        if self.fixed is not None:  # fixed costs: the clock says nothing to them
+            return self._replace(rounds=now)
         if verify is not None:
             verifies = verifies | {key: (((width - 1, verify, now),) + verifies.get(key, ()))[:WINDOW]}
         if draft is not None:
@@ -137,7 +146,7 @@ class RoundCosts(NamedTuple):
 
     def curve(self, batch: int, sampled: bool, widths: tuple) -> CostCurve:
         """The cost of a draft pass and of a verify of each of ``widths``, now."""
-        if self.fixed is not None:
+        if isinstance(self.fixed, CostCurve):
             missing = sorted(set(widths) - set(self.fixed.verify))
             if missing:
                 raise ValueError(f"the fixed costs give no verify cost for width(s) {missing}: give one for each of "

@@ -243,10 +243,11 @@ class Decoder:
     whole block), ``proposals`` ("auto", "draft" or "copy": the point
     sources alone) and ``confidence_threshold`` are the rounds' settings
     (``schedule.Settings``); ``costs`` fixes the round costs the policy
-    plans with (default: learned as rounds run, ``costs.RoundCosts``)."""
+    plans with, a ``CostCurve`` or ``"prior"`` (default: learned as rounds
+    run, ``costs.RoundCosts``)."""
 
     def __init__(self, params: Params, batch: int, *, width="auto", capacity: int | None = None,
-                 confidence_threshold: float = 0.0, costs: CostCurve | None = None, seed: int = 0,
+                 confidence_threshold: float = 0.0, costs: CostCurve | str | None = None, seed: int = 0,
                  proposals: str = "auto", sources: Sequence[PointSource] | None = None):
         self.params = params
         self.settings = Settings(params.spec.block_size, round_width(width, params.spec.block_size), proposals,
@@ -469,7 +470,7 @@ def generate(
     sampling=GREEDY,
     seed: int = 0,
     confidence_threshold: float = 0.0,
-    costs: CostCurve | None = None,
+    costs: CostCurve | str | None = None,
     proposals: str = "auto",
     constraint=None,
     prefix: Cache | None = None,
@@ -489,7 +490,10 @@ def generate(
     context, whichever is expected to pay more), "draft" or "copy" (see
     ``schedule.Settings``); ``sources``: point sources proposing beside the
     draft and the copies (``sources.PointSource``, e.g. a store's answers);
-    ``costs`` fixes the round costs (default: learned as rounds run).
+    ``costs`` fixes the round costs: a ``CostCurve``, or ``"prior"`` (the
+    pair's shape alone: the same decisions on every run and machine, so
+    seeded samples repeat); default: learned as rounds run, whose choices
+    near a tie follow the machine's timing.
     ``sampling`` is one ``Sampling`` for every row or one per row; row b draws with its own
     seed (derived from ``seed`` and b). Greedy output equals greedy decoding
     of the target alone, row by row; sampled output is distributed as

@@ -36,8 +36,10 @@ finished rounds, committed tokens and the current draft's confidences
 (Algorithm 1's early stop), never the round's own draws, so greedy output
 is the target's and sampled output is distributed as the target's
 whatever the policy chooses. Seeded samples repeat where the choices do: a
-fixed width, or fixed costs (``Policy.start(costs=...)``); learned costs
-follow the machine's timing.
+fixed width, or fixed costs (``Policy.start(costs=...)``: a ``CostCurve``,
+or ``"prior"`` for the pair's shape prior, the same on every machine);
+learned costs follow the machine's timing, so a choice near a tie can go
+either way from one run to the next.
 
 A record is never changed in place: a cache handed to ``speculate`` twice
 runs the same round twice.
@@ -126,9 +128,10 @@ class Policy(NamedTuple):
     ready: Ready | None = None
 
     @classmethod
-    def start(cls, params: Params, batch: int, costs: CostCurve | None = None) -> "Policy":
+    def start(cls, params: Params, batch: int, costs: CostCurve | str | None = None) -> "Policy":
         """A batch of ``batch`` rows with nothing measured (``costs``: fixed
-        round costs in place of the learned ones)."""
+        round costs in place of the learned ones, a ``CostCurve`` or
+        ``"prior"``: ``costs.RoundCosts.start``)."""
         kinds = Kinds((COPY[0],), (COPY[1],))
         return cls(kinds, SlotRates.start(batch, kinds.total, params.spec.block_size),
                    SlotRates.start(1, kinds.total, params.spec.block_size), Gate(), RoundCosts.start(params, costs))

@@ -193,18 +193,20 @@ def test_sampled_rows_are_independent(pair, prompts):
 
 def test_cli_batch_json_rows_equal_the_library(pair_dir, pair, prompts, tmp_path, monkeypatch):
     """``dspark generate`` with repeated --prompt-tokens prints {"batch": [...]};
-    sampled with --width auto it reproduces the library run of the same seed."""
+    sampled with --width auto at the prior's costs (the same decisions every
+    run) it reproduces the library run of the same seed."""
     root, _ = pair_dir
     _, params = pair
     monkeypatch.setenv("DSPARK_FN_CACHE", str(tmp_path))
     flags = [a for p in prompts[:2] for a in ("--prompt-tokens", ",".join(map(str, p)))]
-    options = ["--temp", "1.0", "--top-k", "5", "--seed", "3", "--width", "auto"]
+    options = ["--temp", "1.0", "--top-k", "5", "--seed", "3", "--width", "auto", "--costs", "prior"]
     command = [sys.executable, "-m", "dspark_fn.cli", "generate", "--model", root / "target",
                "--draft", root / "draft", "--max-tokens", "12", "--json", *flags, *options]
     result = subprocess.run(list(map(str, command)), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     batch = json.loads(result.stdout)["batch"]
-    events = dspark_fn.generate(params, prompts[:2], 12, width="auto", sampling=Sampling(1.0, top_k=5), seed=3)
+    events = dspark_fn.generate(params, prompts[:2], 12, width="auto", sampling=Sampling(1.0, top_k=5), seed=3,
+                                costs="prior")
     assert [row["tokens"] for row in batch] == rows_of(events, 2)
 
 

@@ -346,10 +346,12 @@ def test_top_p_keeps_the_most_likely_token():
     np.testing.assert_allclose(kept, [[1.0, 0.0, 0.0]])
 
 
-@pytest.mark.parametrize("choices", [dict(width=4), dict(costs=CostCurve(0.5, {1: 1.0, 2: 1.1, 3: 1.2, 4: 1.5}))])
+@pytest.mark.parametrize("choices", [dict(width=4), dict(costs=CostCurve(0.5, {1: 1.0, 2: 1.1, 3: 1.2, 4: 1.5})),
+                                     dict(costs="prior")])
 def test_same_seed_same_tokens_and_seeds_differ(models, choices):
     """A seed repeats its samples where the rounds' choices repeat: a fixed
-    width, or fixed costs (learned costs follow the machine's timing)."""
+    width, or fixed costs, given or the prior's (learned costs follow the
+    machine's timing)."""
     _, pairs = models
     runs = [speculative_tokens(pairs["good"], PROMPT, 40, sampling=Sampling(1.0), seed=s, **choices)
             for s in (1, 1, 2)]

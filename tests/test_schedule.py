@@ -17,6 +17,7 @@ Breaks tried, and the tests that catch them:
 
 import importlib
 import io
+from types import SimpleNamespace
 
 import mlx.core as mx
 import numpy as np
@@ -476,6 +477,40 @@ def test_the_width_chosen_follows_the_learned_costs(pair):
     widths = [drafts(AUTO, confidences, np.ones(1, bool), costs.curve(1, False, BUCKETS)).width
               for costs in (quiet, busy)]
     assert widths[0] > widths[1] > 1
+
+
+def a_clock(rng: np.random.Generator):
+    """A stand-in for ``time.perf_counter`` whose every reading advances by a
+    random stretch from ``rng``: rounds timed by it cost whatever it says."""
+    now = [0.0]
+
+    def perf_counter() -> float:
+        now[0] += float(rng.exponential(0.05))
+        return now[0]
+
+    return SimpleNamespace(perf_counter=perf_counter)
+
+
+def sampled_run(params, monkeypatch, clock_seed: int, costs) -> tuple:
+    """``(tokens, widths)`` of a seeded sampled run under width "auto" whose rounds read ``a_clock(clock_seed)``."""
+    monkeypatch.setattr(importlib.import_module("dspark_fn.policy"), "time", a_clock(np.random.default_rng(clock_seed)))
+    events = list(dspark_fn.generate(params, [4, 9, 2, 6], 40, sampling=dspark_fn.Sampling(1.0, top_k=8), seed=5,
+                                     costs=costs))
+    return [t for e in events for t in e.emitted], [e.width for e in events]
+
+
+def test_seeded_samples_repeat_at_the_prior_costs_whatever_the_clock(pair, monkeypatch):
+    """With ``costs="prior"`` a seeded sampled run takes the same decisions,
+    and so draws the same tokens, under any clock; with learned costs the
+    clock moves the widths (so the clock does reach the decisions here)."""
+    _, params = pair
+    sampled_run(params, monkeypatch, 0, "prior")  # every kernel compiled: a round that compiles is not timed
+    at_prior = [sampled_run(params, monkeypatch, clock, "prior") for clock in (1, 2, 3)]
+    assert at_prior[0] == at_prior[1] == at_prior[2]
+    learned = [sampled_run(params, monkeypatch, clock, None)[1] for clock in (1, 2, 3)]
+    assert len({tuple(widths) for widths in learned}) > 1
+    with pytest.raises(ValueError, match="'prior'"):
+        dspark_fn.Decoder(params, 1, costs="learned")
 
 
 def readme_loop(params, prompt, rounds, capacity=256, **options):

@@ -102,7 +102,8 @@ def running_server(root, max_batch: int, verify: str | int = "auto", launcher: t
 
 @pytest.fixture(scope="module")
 def server(pair):
-    with running_server(pair, max_batch=4) as running:
+    # planned at the prior's costs: the decisions, and so a seeded sampled reply, the same every run
+    with running_server(pair, max_batch=4, extra=("--costs", "prior")) as running:
         yield running
 
 

@@ -44,7 +44,8 @@ def library(pair):
 
 @pytest.fixture(scope="module")
 def server(pair):
-    with running_server(pair, max_batch=4, launcher=ring_launcher(2)) as running:
+    # planned at the prior's costs: the decisions, and so a seeded sampled reply, the same every run
+    with running_server(pair, max_batch=4, launcher=ring_launcher(2), extra=("--costs", "prior")) as running:
         yield running
 
 
