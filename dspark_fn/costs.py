@@ -135,9 +135,9 @@ class RoundCosts(NamedTuple):
         seconds and/or a draft pass that took ``draft`` seconds, in a batch of
         ``batch`` rows (neither, for a round that says nothing of its costs)."""
         key, now = (batch, sampled), self.rounds + 1
-        verifies, drafts = self.verifies, self.drafts
         if self.fixed is not None:  # fixed costs: the clock says nothing to them
             return self._replace(rounds=now)
+        verifies, drafts = self.verifies, self.drafts
         if verify is not None:
             verifies = verifies | {key: (((width - 1, verify, now),) + verifies.get(key, ()))[:WINDOW]}
         if draft is not None:

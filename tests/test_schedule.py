@@ -12,7 +12,9 @@ Breaks tried, and the tests that catch them:
 - a prepared draft used for a row whose anchor changed (``Ready.covers``
   true everywhere): test_a_row_given_another_anchor_verifies_nothing_prepared;
 - a round evaluating only its result, not the cache it returns:
-  test_a_round_leaves_its_cache_evaluated.
+  test_a_round_leaves_its_cache_evaluated;
+- the prior's fixed costs recording the rounds' times (``timed`` learning
+  whatever the costs): test_seeded_samples_repeat_at_the_prior_costs_whatever_the_clock.
 """
 
 import importlib
