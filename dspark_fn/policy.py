@@ -224,7 +224,7 @@ def speculate(params: Params, cache: Cache, tokens: mx.array, *, width: int | No
     plan = capped(plan, widest, settings, limit)
     cache, result, next_copies = verified(params, cache, tokens, plan, ready, live, sampling, masks, settings, sources,
                                           top_log_probs)
-    policy = policy.learned(round_outcomes(plan, result, ready.offers, covered))._replace(ready=None)
+    policy = policy.learned(round_outcomes(plan, result, ready, covered))._replace(ready=None)
     if ahead:
         ready, gate, seconds = prepare(params, cache, result.next_tokens, policy, settings, sources, live, sampling,
                                        None, costs, row_settings, next_copies,
@@ -239,16 +239,17 @@ def speculate(params: Params, cache: Cache, tokens: mx.array, *, width: int | No
     return cache._replace(policy=policy), result._replace(limits=plan.limits, sources=sources_used)
 
 
-def round_outcomes(plan: Plan, result: Round, offers: Offers, covered: np.ndarray) -> Outcomes:
+def round_outcomes(plan: Plan, result: Round, ready: Ready, covered: np.ndarray) -> Outcomes:
     """What the round showed of its proposals: the draft's slots in the rows
     that verified it, and every offer made for a row it covered (an offer
     made for another anchor says nothing) against what the row committed."""
     counts, emitted = np.array(result.count), np.array(result.emitted)
     committed = [row[:count].tolist() for row, count in zip(emitted, counts)]
-    outcomes = [draft_outcomes(plan.drafting, np.array(result.accepted), plan.limits, plan.confidences)] \
+    outcomes = [draft_outcomes(plan.drafting, np.array(result.accepted), plan.limits, ready.confidences)] \
         if plan.drafting.any() else []
-    kinds = np.where(covered, offers.kinds, 0)
-    return Outcomes.joined(outcomes + [point_outcomes(k, tokens, committed) for k, tokens in zip(kinds, offers.tokens)])
+    kinds = np.where(covered, ready.offers.kinds, 0)
+    return Outcomes.joined(outcomes + [point_outcomes(k, tokens, committed)
+                                       for k, tokens in zip(kinds, ready.offers.tokens)])
 
 
 def widest_room(settings: Settings, cache: Cache, lengths: np.ndarray, live: np.ndarray) -> int:

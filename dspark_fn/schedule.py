@@ -16,14 +16,19 @@ at most ``limit_r`` drafts per row. Three rules, combinable:
   ``Θ(ℓ) = Σ_r (1 + Σ_{k<=ℓ} a_{r,k}) / cost(bucket(1 + ℓ))`` with prefix
   survival ``a_{r,k} = Π_{i<=k} c_{r,i}`` and the measured round cost of
   each width, admitting slot levels ``ℓ = 1, 2, ...`` in order and stopping
-  at the first level that does not improve ``Θ``.
+  at the first level that does not improve ``Θ``. Each ``c_{r,i}`` is
+  calibrated first (``SlotRates.calibrated``): scaled by the rate row r's
+  draft slot i was measured to keep over the mean confidence the draft gave
+  it, since a confidence head trained on other text can be surer than the
+  target agrees on this one.
 
 Why auto stays lossless: ``c_k`` is computed from the block hidden state and
 the token drafted at slot ``k - 1``, so ``a_{r,k}`` is a function of the
 drafts before slot ``k``. Thanks to the early stop, whether slot ``k`` is
 verified is decided from ``a_{·,1..k}`` alone, never from ``x_k`` itself
 (a global argmax over ``ℓ`` would look at ``a_{k+1}``, which depends on
-``x_k``: spec Appendix A). The same holds for the threshold cut. Each row's
+``x_k``: spec Appendix A). The same holds for the threshold cut, and for
+the calibration, whose scale is read from finished rounds. Each row's
 decision may also depend on the other rows, which are independent of it.
 
 The verify kernels run one width for the whole batch, so the cost of a
@@ -212,19 +217,23 @@ class SlotRates(NamedTuple):
     match continues more often; a grammar's forced tokens, one kind).
     ``alpha_k`` is the rate at which slot k was accepted when slots < k
     were: an average over the first observations, then an exponential
-    moving average with weight ``ACCEPTANCE_EMA``. A row's rates are its
-    own sequence's; the policy also keeps the batch's, learned from every
-    row, which a sequence entering a row starts from (``Policy``). Updates
-    return new rates; none is changed in place."""
+    moving average with weight ``ACCEPTANCE_EMA``. ``predicted`` averages,
+    over the same observations, the chance the proposal gave itself (the
+    draft's confidence; 1 for a point mass), so ``calibrated`` can rescale
+    the draft's confidences to what its slots were measured to keep. A
+    row's rates are its own sequence's; the policy also keeps the batch's,
+    learned from every row, which a sequence entering a row starts from
+    (``Policy``). Updates return new rates; none is changed in place."""
 
     acceptance: np.ndarray  # [B, K, G] alpha_k
     observed: np.ndarray  # [B, K, G] observations of slot k
+    predicted: np.ndarray  # [B, K, G] the mean chance the observations' proposals gave themselves
 
     @classmethod
     def start(cls, batch: int, kinds: int, slots: int) -> "SlotRates":
         # Untried slots count as always accepted, so the first rounds propose and measure.
         shape = (batch, kinds, slots)
-        return cls(np.ones(shape), np.zeros(shape))
+        return cls(np.ones(shape), np.zeros(shape), np.ones(shape))
 
     def with_kinds(self, kinds: int) -> "SlotRates":
         """Room for ``kinds`` kinds (new ones untried)."""
@@ -232,8 +241,8 @@ class SlotRates(NamedTuple):
         if more <= 0:
             return self
         batch, _, slots = self.acceptance.shape
-        return SlotRates(np.concatenate([self.acceptance, np.ones((batch, more, slots))], axis=1),
-                         np.concatenate([self.observed, np.zeros((batch, more, slots))], axis=1))
+        return SlotRates(*(np.concatenate([mine, np.full((batch, more, slots), new)], axis=1)
+                           for mine, new in zip(self, (1.0, 0.0, 1.0))))
 
     def take(self, rows: Sequence[int], batch: int, fill: "SlotRates") -> "SlotRates":
         """Rows ``rows`` in that order, then rows of ``fill`` (one row) up to ``batch``."""
@@ -243,21 +252,23 @@ class SlotRates(NamedTuple):
 
     def refilled(self, rows: Sequence[int], fill: "SlotRates") -> "SlotRates":
         """Rows ``rows`` replaced by ``fill`` (one row)."""
-        acceptance, observed = self.acceptance.copy(), self.observed.copy()
-        acceptance[list(rows)], observed[list(rows)] = fill.acceptance[0], fill.observed[0]
-        return SlotRates(acceptance, observed)
+        refilled = [mine.copy() for mine in self]
+        for mine, new in zip(refilled, fill):
+            mine[list(rows)] = new[0]
+        return SlotRates(*refilled)
 
     def learned(self, outcomes: "Outcomes") -> "SlotRates":
         """Each row's rates after its round's ``outcomes`` (one observation of
         each row, kind and slot at most)."""
         if not len(outcomes.values):
             return self
-        acceptance, observed = self.acceptance.copy(), self.observed.copy()
+        acceptance, observed, predicted = (mine.copy() for mine in self)
         place = (outcomes.rows, outcomes.kinds, outcomes.slots)
         observed[place] += 1
         weight = np.maximum(ACCEPTANCE_EMA, 1 / observed[place])
         acceptance[place] += weight * (outcomes.values - acceptance[place])
-        return SlotRates(acceptance, observed)
+        predicted[place] += weight * (outcomes.predicted - predicted[place])
+        return SlotRates(acceptance, observed, predicted)
 
     def learned_together(self, outcomes: "Outcomes") -> "SlotRates":
         """One row's rates (the batch's) after every row's ``outcomes``: each
@@ -265,14 +276,17 @@ class SlotRates(NamedTuple):
         many rows showed it."""
         if not len(outcomes.values):
             return self
-        count, total = np.zeros(self.acceptance.shape[1:]), np.zeros(self.acceptance.shape[1:])
+        count = np.zeros(self.acceptance.shape[1:])
+        totals = np.zeros((2, *self.acceptance.shape[1:]))
         np.add.at(count, (outcomes.kinds, outcomes.slots), 1)
-        np.add.at(total, (outcomes.kinds, outcomes.slots), outcomes.values)
+        np.add.at(totals[0], (outcomes.kinds, outcomes.slots), outcomes.values)
+        np.add.at(totals[1], (outcomes.kinds, outcomes.slots), outcomes.predicted)
         seen = count > 0
         observed = self.observed + count
         weight = np.where(seen, np.maximum(ACCEPTANCE_EMA, count / np.maximum(observed[0], 1)), 0.0)
-        mean = np.where(seen, total / np.maximum(count, 1), 0.0)
-        return SlotRates(self.acceptance + weight * (mean - self.acceptance) * seen, observed)
+        acceptance, predicted = (mine + weight * (total / np.maximum(count, 1) - mine) * seen
+                                 for mine, total in zip((self.acceptance, self.predicted), totals))
+        return SlotRates(acceptance, observed, predicted)
 
     def expected(self, kinds: np.ndarray, slots: int, rows: np.ndarray | None = None) -> np.ndarray:
         """``[R, slots]``: the rates a plan reads for the kind ``kinds[i]`` of row
@@ -290,6 +304,15 @@ class SlotRates(NamedTuple):
             rates[:, slot] = np.where(carried[:, slot], rates[:, slot - 1], rates[:, slot])
         return rates
 
+    def calibrated(self, confidences: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """``confidences [R, G]``, the draft's for rows ``rows``, each slot
+        scaled by what that row's draft slots were measured to keep over the
+        confidence they gave themselves (unchanged where unmeasured), at most 1."""
+        slots = confidences.shape[1]
+        measured, predicted = self.acceptance[rows, DRAFTED, :slots], self.predicted[rows, DRAFTED, :slots]
+        scale = np.where(self.observed[rows, DRAFTED, :slots] > 0, measured / np.maximum(predicted, 1e-6), 1.0)
+        return np.minimum(confidences * scale, 1.0)
+
     def gains(self, kinds: np.ndarray, slots: int, lengths: np.ndarray | None = None) -> np.ndarray:
         """``[B, slots + 1]``: expected accepted proposals of each row's kind
         when it verifies its first ``l`` slots (column l); a row has only its
@@ -303,30 +326,35 @@ class SlotRates(NamedTuple):
 class Outcomes(NamedTuple):
     """What a round showed of its proposals: observation i is of row
     ``rows[i]``'s slot ``slots[i]`` under kind ``kinds[i]``, accepted or
-    not (or a probability standing in), ``values[i]``."""
+    not (or a probability standing in), ``values[i]``, proposed with the
+    chance ``predicted[i]`` (the draft's confidence; 1 for a point mass)."""
 
     rows: np.ndarray
     kinds: np.ndarray
     slots: np.ndarray
     values: np.ndarray
+    predicted: np.ndarray
 
     @classmethod
     def joined(cls, parts: Sequence["Outcomes"]) -> "Outcomes":
         return cls(*(np.concatenate([np.asarray(part[i], dtype) for part in parts] or [np.zeros(0, dtype)])
-                     for i, dtype in enumerate((int, int, int, float))))
+                     for i, dtype in enumerate((int, int, int, float, float))))
 
 
 def draft_outcomes(rows: np.ndarray, accepted: np.ndarray, limits: np.ndarray, confidences: np.ndarray) -> Outcomes:
     """What rows that verified the draft showed of its slots: row r verified
     ``limits[r]`` drafts and kept ``accepted[r]``. Slot k counts for the rows
     that reached it (every earlier slot accepted): verified, it was accepted
-    or not; left unverified by the plan, its draft confidence stands in for
-    the outcome (the plan cut it because that confidence was low)."""
+    or not; left unverified by the plan, the draft's own confidence stands in
+    for the outcome (the plan cut it because that confidence was low), so an
+    unverified slot moves the calibration neither way. Each was proposed
+    with the draft's ``confidences``."""
     slots = np.arange(confidences.shape[1])
     reached = rows[:, None] & (accepted[:, None] >= slots[None, :])
     outcome = np.where(limits[:, None] > slots[None, :], accepted[:, None] > slots[None, :], confidences)
     row, slot = np.nonzero(reached)
-    return Outcomes(row, np.full(len(row), DRAFTED), slot, outcome[row, slot].astype(float))
+    return Outcomes(row, np.full(len(row), DRAFTED), slot, outcome[row, slot].astype(float),
+                    confidences[row, slot].astype(float))
 
 
 def point_outcomes(kinds: np.ndarray, proposals: list, committed: list) -> Outcomes:
@@ -342,7 +370,7 @@ def point_outcomes(kinds: np.ndarray, proposals: list, committed: list) -> Outco
     observed = []
     for row in np.flatnonzero(kinds):
         for slot, (proposed, token) in enumerate(zip(proposals[row], committed[row])):
-            observed.append((row, int(kinds[row]), slot, proposed == token))
+            observed.append((row, int(kinds[row]), slot, proposed == token, 1.0))
             if proposed != token:
                 break
     return Outcomes(*(np.array(column) for column in zip(*observed))) if observed else Outcomes.joined([])
@@ -515,8 +543,9 @@ def plan_round(settings: Settings, rates: SlotRates, costs: CostCurve | None, dr
     ``points [B]``: the point source each row verifies (``NOTHING``: the
     draft, where ``live`` rows have one). A row verifying a point source's
     offer has its slots rated by that offer's kind up to its length (and 0
-    past it); the threshold cuts drafts only; Algorithm 1 (``width`` None)
-    reads the live rows."""
+    past it); the threshold cuts drafts only (on the draft's own
+    confidences); Algorithm 1 (``width`` None) reads the live rows, a
+    drafting row's confidences calibrated to what its slots kept."""
     pointing = (points != NOTHING) & live
     points = np.where(pointing, points, NOTHING)
     drafting = live & ~pointing & (draft_confidences is not None)
@@ -531,6 +560,8 @@ def plan_round(settings: Settings, rates: SlotRates, costs: CostCurve | None, dr
     confidences[rows] = rated * (np.arange(settings.block_size)[None, :] < limits[rows][:, None])
     if settings.threshold > 0:
         limits = np.where(drafting, np.minimum(limits, threshold_lengths(confidences, settings.threshold)), limits)
+    rows = np.flatnonzero(drafting)  # planned at what their drafts were measured to keep
+    confidences[rows] = rates.calibrated(confidences[rows], rows)
     if settings.auto:
         allowed = np.arange(confidences.shape[1])[None, :] < limits[:, None]
         survival = np.cumprod(confidences, axis=1) * allowed

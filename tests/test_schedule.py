@@ -245,6 +245,37 @@ def test_the_drafts_acceptance_is_measured_per_row_and_slot():
     assert (rates.observed[:, 1:] == 0).all()  # no point source measured
 
 
+def test_the_draft_is_planned_at_what_its_slots_kept():
+    """A draft that gives every slot 0.9 whose first slot is kept every other
+    round and whose second never is: its first slot is planned at the rate
+    measured, its second at 0, a slot never reached at its own confidence;
+    so Algorithm 1 verifies one draft where the raw confidences ask for more."""
+    confident = np.full((4, BLOCK), 0.9)
+    rates = untried()
+    for round_ in range(10):
+        rates = drafted_round(rates, np.full(4, round_ % 2), np.full(4, 2), confident)
+    plan = plan_round(AUTO, rates, GATE_COSTS, confident, NO_OFFERS, np.full(4, NOTHING), ALL)
+    assert plan.confidences[:, 0] == pytest.approx(rates.acceptance[:, DRAFTED, 0])
+    assert 0.3 < rates.acceptance[0, DRAFTED, 0] < 0.7
+    assert plan.confidences[:, 1].tolist() == [0.0] * 4 and plan.confidences[:, 2:].tolist() == confident[:, 2:].tolist()
+    assert plan.limits.tolist() == [1] * 4
+    assert plan_round(AUTO, untried(), GATE_COSTS, confident, NO_OFFERS, np.full(4, NOTHING), ALL).limits[0] > 1
+
+
+def test_a_slot_the_plan_left_unverified_does_not_move_its_calibration():
+    """Rows that verify one draft and keep it: their second slot is reached
+    but never verified, so its own confidence stands in, and it is planned
+    at that confidence, neither surer nor less sure, round after round."""
+    confidences = np.tile(np.linspace(0.9, 0.5, BLOCK), (4, 1))
+    rates = untried()
+    for _ in range(10):
+        rates = drafted_round(rates, np.ones(4, int), np.ones(4, int), confidences)
+    assert (rates.observed[:, DRAFTED, :2] == 10).all()
+    plan = plan_round(AUTO, rates, GATE_COSTS, confidences, NO_OFFERS, np.full(4, NOTHING), ALL)
+    assert plan.confidences[:, 0].tolist() == [1.0] * 4  # kept every time: at most sure
+    assert plan.confidences[:, 1:] == pytest.approx(confidences[:, 1:])
+
+
 def test_drafts_that_do_not_pay_are_declined_and_probed_with_backoff():
     assert sources(untried()).draft  # untried: optimistic
     rates = drafted_round(untried(), np.zeros(4, int), np.full(4, 5), np.full((4, 5), 0.1))  # every draft rejected
@@ -372,8 +403,8 @@ def test_an_untried_slot_of_a_point_source_counts_at_the_rate_before_it():
     kind = kinds.kind(0, 1)
     rows = np.arange(4)
     rates = SlotRates.start(4, kinds.total, BLOCK).learned(Outcomes(rows, np.full(4, kind), np.zeros(4, int),
-                                                                    np.ones(4)))
-    rates = rates.learned(Outcomes(rows, np.full(4, kind), np.zeros(4, int), np.zeros(4)))
+                                                                    np.ones(4), np.ones(4)))
+    rates = rates.learned(Outcomes(rows, np.full(4, kind), np.zeros(4, int), np.zeros(4), np.ones(4)))
     assert rates.expected([kind] * 4, 3)[0].tolist() == [0.5, 0.5, 0.5]
     assert rates.gains([kind] * 4, 3)[0].tolist() == [0, 0.5, 0.75, 0.875]
     rates.acceptance[:, DRAFTED] = 0.6
@@ -604,7 +635,8 @@ def test_the_policy_moves_with_its_rows(pair):
     """``take_rows`` moves each row's rates and prepared proposals with it;
     a new row, and a sequence entering a row, start at the batch's rates."""
     _, params = pair
-    policy = Policy.start(params, 3).learned(Outcomes(np.arange(3), np.zeros(3, int), np.zeros(3, int), np.zeros(3)))
+    policy = Policy.start(params, 3).learned(Outcomes(np.arange(3), np.zeros(3, int), np.zeros(3, int), np.zeros(3),
+                                                         np.ones(3)))
     acceptance = policy.rates.acceptance.copy()
     acceptance[:, DRAFTED, 0] = [0.1, 0.2, 0.3]
     policy = policy._replace(rates=policy.rates._replace(acceptance=acceptance))
