@@ -560,9 +560,9 @@ def plan_round(settings: Settings, rates: SlotRates, costs: CostCurve | None, dr
     confidences[rows] = rated * (np.arange(settings.block_size)[None, :] < limits[rows][:, None])
     if settings.threshold > 0:
         limits = np.where(drafting, np.minimum(limits, threshold_lengths(confidences, settings.threshold)), limits)
-    rows = np.flatnonzero(drafting)  # planned at what their drafts were measured to keep
-    confidences[rows] = rates.calibrated(confidences[rows], rows)
     if settings.auto:
+        rows = np.flatnonzero(drafting)  # planned at what their drafts were measured to keep
+        confidences[rows] = rates.calibrated(confidences[rows], rows)
         allowed = np.arange(confidences.shape[1])[None, :] < limits[:, None]
         survival = np.cumprod(confidences, axis=1) * allowed
         limits = np.minimum(limits, scheduled_length(survival[live][:, :slots], costs, settings.buckets))
